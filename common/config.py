@@ -1,0 +1,31 @@
+"""Engine configuration: one frozen record, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # local HF model directory
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: as many as kv_cache_memory holds
+    kv_cache_memory: int = 256 * 2**20  # bytes, used when num_blocks is None
+    max_num_seqs: int = 64  # running sequences per step
+    max_num_batched_tokens: int = 512  # token budget per step (prefill chunk bound)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")

@@ -1,0 +1,102 @@
+"""Torch reference kernels over the block-major paged KV cache (see kernels/__init__)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    kv_cache: torch.Tensor,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new tokens' K/V into their slots; negative slots are skipped.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
+    """
+    block_size = kv_cache.shape[3]
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    kv_cache[blocks, layer, 0, offsets] = k.to(kv_cache.dtype)
+    kv_cache[blocks, layer, 1, offsets] = v.to(kv_cache.dtype)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of the blocks in `block_table` ([..., max_blocks]) as [..., max_blocks*bs, kvh, hd]."""
+    kv = kv_cache[block_table, layer]  # [..., max_blocks, 2, bs, kvh, hd]
+    lead = kv.shape[:-5]
+    max_blocks, _, bs, kvh, hd = kv.shape[-5:]
+    k = kv[..., 0, :, :, :].reshape(*lead, max_blocks * bs, kvh, hd)
+    v = kv[..., 1, :, :, :].reshape(*lead, max_blocks * bs, kvh, hd)
+    return k, v
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its cached context.
+
+    q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks] (padding
+    entries may hold any valid block id); context_lens: [num_seqs] (the query's own
+    token included, already stored). Returns [num_seqs, num_heads, head_dim].
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    k, v = gather_kv(kv_cache, layer, block_tables)  # [B, T, kvh, hd]
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
+    scores = torch.einsum("bkgd,btkd->bkgt", qg, k).float() * scale
+    t = torch.arange(k.shape[1], device=q.device)
+    mask = t[None, :] >= context_lens[:, None]  # [B, T]
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.einsum("bkgt,btkd->bkgd", probs, v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    start_pos: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's chunk over its cached prefix plus itself.
+
+    q: [n, num_heads, head_dim] for positions [start_pos, start_pos + n), whose K/V are
+    already stored; block_table: [num_blocks_used]. Returns [n, num_heads, head_dim].
+    """
+    n, num_heads, head_dim = q.shape
+    ctx = start_pos + n
+    k, v = gather_kv(kv_cache, layer, block_table)
+    k, v = k[:ctx], v[:ctx]
+    num_kv_heads = k.shape[1]
+    # SDPA wants [heads, seq, dim]; GQA by repeating KV heads.
+    qh = q.transpose(0, 1)
+    kh = k.transpose(0, 1).to(q.dtype)
+    vh = v.transpose(0, 1).to(q.dtype)
+    if num_kv_heads != num_heads:
+        kh = kh.repeat_interleave(num_heads // num_kv_heads, dim=0)
+        vh = vh.repeat_interleave(num_heads // num_kv_heads, dim=0)
+    if start_pos == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        qpos = torch.arange(start_pos, ctx, device=q.device)
+        kpos = torch.arange(ctx, device=q.device)
+        mask = kpos[None, :] <= qpos[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
