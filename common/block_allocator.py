@@ -11,7 +11,7 @@ to the free list when its last reference is freed.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from enum import Enum
 
@@ -69,15 +69,25 @@ class BlockAllocator:
         return ids
 
     def fork(self, block_ids: Iterable[int]) -> None:
-        """Add a reference to each (allocated) block."""
-        for b in block_ids:
+        """Add a reference to each (allocated) block. All or nothing."""
+        ids = list(block_ids)
+        for b in ids:
             self._require_allocated(b)
+        for b in ids:
             self._ref[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each block; a block at zero refs becomes FREE."""
-        for b in block_ids:
+        """Drop one reference from each block; a block at zero refs becomes FREE.
+
+        All or nothing: a call naming a free block, or dropping more references
+        than a block has, raises before changing anything.
+        """
+        ids = list(block_ids)
+        for b, n in Counter(ids).items():
             self._require_allocated(b)
+            if n > self._ref[b]:
+                raise AllocatorError(f"block {b}: {n} frees for {self._ref[b]} references")
+        for b in ids:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._counts[self._state[b]] -= 1

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from common.attention import AttentionMetadata, PrefillSlice
 from common.model import LlamaForCausalLM
 from common.sampling import sample
 from common.scheduler import ScheduledBatch
+from common.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flat rows whose logits are sampled
+    sample_seqs: list[Sequence]  # the sequence of each sampled row
 
 
 class ModelRunner:
@@ -17,57 +29,51 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat input ids, positions, attention metadata and the rows that sample."""
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
+        rows: list[int] = []
+        sample_seqs: list[Sequence] = []
         prefills: list[PrefillSlice] = []
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
             if n > 1:
-                prefills.append(
-                    PrefillSlice(len(ids), n, start, torch.tensor(table[: -(-end // bs)]))
-                )
+                used = torch.tensor(table[: -(-end // bs)], device=self.device)
+                prefills.append(PrefillSlice(len(ids), n, start, used))
             ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             if end == seq.num_tokens:
-                sample_rows.append(len(ids) - 1)
+                rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
         decode = batch.seqs[: batch.num_decode]
         width = max((len(s.block_table) for s in decode), default=0)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decode]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            slot_mapping=self._tensor(slots),
             num_decode=batch.num_decode,
-            decode_block_tables=torch.tensor(
-                [s.block_table + [0] * (width - len(s.block_table)) for s in decode],
-                dtype=torch.int64,
-                device=self.device,
-            ).view(len(decode), width),
-            decode_context_lens=torch.tensor(
-                [s.num_computed_tokens + 1 for s in decode], dtype=torch.int64, device=self.device
-            ),
+            decode_block_tables=self._tensor(tables).view(len(decode), width),
+            decode_context_lens=self._tensor([s.num_computed_tokens + 1 for s in decode]),
             prefills=prefills,
         )
-        return (
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta,
-            sample_rows,
-        )
+        return StepInputs(self._tensor(ids), self._tensor(positions), meta, rows, sample_seqs)
 
     def run(self, batch: ScheduledBatch) -> list[int]:
         """One forward over the batch; returns the sampled token of each sampling entry."""
-        input_ids, positions, meta, rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        if not rows:
+        x = self.prepare(batch)
+        hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
+        if not x.sample_rows:
             return []
-        logits = self.model.compute_logits(hidden[rows])
-        sampling = [s for s, n in zip(batch.seqs, batch.num_new) if s.num_computed_tokens + n == s.num_tokens]
+        logits = self.model.compute_logits(hidden[x.sample_rows])
         return sample(
-            logits, [s.sampling for s in sampling], [s.num_output_tokens for s in sampling]
+            logits,
+            [s.sampling for s in x.sample_seqs],
+            [s.num_output_tokens for s in x.sample_seqs],
         )
+
+    def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.int64, device=self.device)

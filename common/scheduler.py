@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.block_allocator import BlockAllocator
-from common.sequence import FinishReason, Sequence, SeqStatus
+from common.sequence import FinishReason, SeqStatus, Sequence
 
 
 @dataclass

@@ -31,12 +31,11 @@ def gather_kv(
     kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of the blocks in `block_table` ([..., max_blocks]) as [..., max_blocks*bs, kvh, hd]."""
-    kv = kv_cache[block_table, layer]  # [..., max_blocks, 2, bs, kvh, hd]
-    lead = kv.shape[:-5]
-    max_blocks, _, bs, kvh, hd = kv.shape[-5:]
-    k = kv[..., 0, :, :, :].reshape(*lead, max_blocks * bs, kvh, hd)
-    v = kv[..., 1, :, :, :].reshape(*lead, max_blocks * bs, kvh, hd)
-    return k, v
+    k = kv_cache[block_table, layer, 0]  # [..., max_blocks, bs, kvh, hd], one gather copy
+    v = kv_cache[block_table, layer, 1]
+    lead = k.shape[:-4]
+    max_blocks, bs, kvh, hd = k.shape[-4:]
+    return k.view(*lead, max_blocks * bs, kvh, hd), v.view(*lead, max_blocks * bs, kvh, hd)
 
 
 def paged_decode_attention(

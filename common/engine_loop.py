@@ -1,0 +1,119 @@
+"""Run an `LLMEngine` on its own thread and drive it from asyncio.
+
+The engine thread loops "apply commands, step, publish outputs". It sleeps on an
+event when idle, so a submit wakes it at once. Outputs reach the event loop via
+`call_soon_threadsafe`; each request has its own asyncio queue. The HTTP event
+loop never runs model code, so /health answers while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from common.engine import LLMEngine
+from common.sampling import SamplingParams
+from common.scheduler import StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineThread:
+    """Steps `engine` on a daemon thread and hands every step's outputs to `publish`."""
+
+    def __init__(
+        self, engine: LLMEngine, publish: Callable[[list[StepOutput]], None], idle_wait: float = 0.5
+    ) -> None:
+        self.engine = engine
+        self._publish = publish
+        self._idle_wait = idle_wait
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.has_work():
+                    self._wake.wait(self._idle_wait)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                if outputs:
+                    self._publish(outputs)
+        except BaseException as exc:  # the engine is broken: report, don't hang clients
+            log.exception("engine thread died")
+            self.error = exc
+            self._publish([])
+
+
+class AsyncEngine:
+    """asyncio front of an engine thread: `generate` streams a request's outputs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = EngineThread(engine, self._publish_threadsafe)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self._thread.stop)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[StepOutput]:
+        """Yield the request's outputs until it finishes; abort it if the caller stops early."""
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self.engine.add_request(request_id, prompt_token_ids, sampling)  # raises RequestError
+        self._queues[request_id] = queue
+        self._thread.wake()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if out.request_id == "" and self._thread.error is not None:
+                    raise RuntimeError("the engine stopped") from self._thread.error
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort_request(request_id)
+                self._thread.wake()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._thread.wake()
+
+    def _publish_threadsafe(self, outputs: list[StepOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        if not outputs and self._thread.error is not None:
+            dead = StepOutput("", [], True, None)
+            for q in self._queues.values():
+                q.put_nowait(dead)
+            return
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
