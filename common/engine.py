@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.block_allocator import BlockAllocator
+from common.block_allocator import BlockAllocator, BlockState
 from common.config import EngineConfig
 from common.model_config import ModelConfig
 from common.model_runner import ModelRunner
@@ -38,6 +38,19 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _ReleaseHeld:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _AdmitPrefilled:
+    seq: Sequence
+
+
+_Command = _Add | _Abort | _ReleaseHeld | _AdmitPrefilled
 
 
 class LLMEngine:
@@ -70,26 +83,87 @@ class LLMEngine:
             mc.eos_token_ids,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
-        self._inbox: deque[_Add | _Abort] = deque()
+        self._inbox: deque[_Command] = deque()
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
         self._lock = threading.Lock()  # guards _arrivals and the id set below
         self._known_ids: set[str] = set()
+        # Guards the allocator and scheduler: the engine thread holds it while it
+        # schedules and postprocesses (not during the forward); node code holds it
+        # to reserve or free destination blocks.
+        self._alloc_lock = threading.Lock()
+        self.held: dict[str, list[int]] = {}  # prefill role: prompt KV kept for transfer
+        self.reserved: dict[str, list[int]] = {}  # decode role: destinations of transfers
 
     # -- commands (any thread) -------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        hold_kv: bool = False,
     ) -> None:
-        """Queue a request; raises RequestError if it can never be served."""
+        """Queue a request; raises RequestError if it can never be served.
+
+        With `hold_kv` (prefill role) the request stops after its first token and
+        its prompt KV blocks stay HELD until `release_held`.
+        """
         self.validate(prompt_token_ids, sampling)
+        self._inbox.append(_Add(self._new_seq(request_id, prompt_token_ids, sampling, hold_kv)))
+
+    def _new_seq(
+        self, request_id: str, token_ids: list[int], sampling: SamplingParams, hold_kv: bool
+    ) -> Sequence:
         with self._lock:
             if request_id in self._known_ids:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._known_ids.add(request_id)
             self._arrivals += 1
-            seq = Sequence(request_id, prompt_token_ids, sampling, self._arrivals)
-        self._inbox.append(_Add(seq))
+            return Sequence(request_id, token_ids, sampling, self._arrivals, hold_kv)
+
+    def release_held(self, request_id: str) -> None:
+        """Free a prefilled request's HELD blocks (transfer done, cancel, lease expiry)."""
+        self._inbox.append(_ReleaseHeld(request_id))
+
+    # -- decode role: destination blocks (any thread) ----------------------------
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Reserve destination blocks for `num_tokens` of incoming KV, or None if full.
+
+        Keeps the scheduler's watermark free so running sequences can still grow,
+        and counts reservations against max_num_seqs.
+        """
+        need = -(-num_tokens // self.config.block_size)
+        with self._alloc_lock:
+            busy = len(self.scheduler.running) + len(self.reserved)
+            if request_id in self.reserved or busy >= self.config.max_num_seqs:
+                return None
+            if not self.allocator.can_allocate(need + self.scheduler.watermark):
+                return None
+            blocks = self.allocator.allocate(need, BlockState.RESERVED)
+            self.reserved[request_id] = blocks
+            return blocks
+
+    def free_reserved(self, request_id: str) -> None:
+        """Free a reservation whose transfer is quiescent (aborted, failed, peer dead)."""
+        with self._alloc_lock:
+            blocks = self.reserved.pop(request_id, None)
+            if blocks:
+                self.allocator.free(blocks)
+
+    def admit_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        sampling: SamplingParams,
+    ) -> None:
+        """The KV of `prompt_token_ids` has landed in the request's reserved blocks:
+        decode on from `first_token_id` in the running batch."""
+        seq = self._new_seq(request_id, [*prompt_token_ids, first_token_id], sampling, False)
+        seq.num_prompt_tokens = len(prompt_token_ids)
+        self._inbox.append(_AdmitPrefilled(seq))
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.append(_Abort(request_id))
@@ -118,30 +192,49 @@ class LLMEngine:
         return bool(self._inbox) or self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        outputs = self._apply_commands()
-        batch = self.scheduler.schedule()
+        with self._alloc_lock:
+            outputs = self._apply_commands()
+            batch = self.scheduler.schedule()
         if len(batch):
             sampled = self.runner.run(batch)
-            outputs += self.scheduler.postprocess(batch, sampled)
+            with self._alloc_lock:
+                outputs += self.scheduler.postprocess(batch, sampled)
         for out in outputs:
-            if out.finished:
+            if out.held_blocks is not None:
+                self.held[out.request_id] = out.held_blocks
+                self._seqs.pop(out.request_id, None)
+            elif out.finished:
                 self._forget(out.request_id)
         return outputs
 
     def _apply_commands(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         while self._inbox:
-            cmd = self._inbox.popleft()
-            if isinstance(cmd, _Add):
-                self._seqs[cmd.seq.request_id] = cmd.seq
-                self.scheduler.add(cmd.seq)
-            else:
-                seq = self._seqs.get(cmd.request_id)
-                if seq is None:
-                    continue  # already finished, or never added
-                self.scheduler.abort(seq)
-                outputs.append(StepOutput(seq.request_id, [], True, FinishReason.ABORT))
+            match self._inbox.popleft():
+                case _Add(seq):
+                    self._seqs[seq.request_id] = seq
+                    self.scheduler.add(seq)
+                case _Abort(request_id):
+                    seq = self._seqs.get(request_id)
+                    if seq is not None:  # else already finished, or never added
+                        self.scheduler.abort(seq)
+                        outputs.append(StepOutput(request_id, [], True, FinishReason.ABORT))
+                case _ReleaseHeld(request_id):
+                    blocks = self.held.pop(request_id, None)
+                    if blocks is not None:
+                        self.allocator.free(blocks)
+                        self._forget(request_id)
+                case _AdmitPrefilled(seq):
+                    self._admit(seq)
         return outputs
+
+    def _admit(self, seq: Sequence) -> None:
+        blocks = self.reserved.pop(seq.request_id)
+        self.allocator.transition(blocks, BlockState.USED)
+        seq.block_table = blocks
+        seq.num_computed_tokens = seq.num_tokens - 1  # all but the first token's KV
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add_running(seq)
 
     def _forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
@@ -151,17 +244,24 @@ class LLMEngine:
     # -- introspection ---------------------------------------------------------
 
     def state(self) -> dict[str, object]:
-        return {
-            "blocks": self.allocator.counts(),
-            "requests": {
-                "waiting": len(self.scheduler.waiting),
-                "running": len(self.scheduler.running),
-            },
-            "preemptions": self.scheduler.num_preemptions,
-        }
+        with self._alloc_lock:
+            return {
+                "blocks": self.allocator.counts(),
+                "requests": {
+                    "waiting": len(self.scheduler.waiting),
+                    "running": len(self.scheduler.running),
+                    "held": len(self.held),
+                    "reserved": len(self.reserved),
+                },
+                "preemptions": self.scheduler.num_preemptions,
+            }
 
     def check_integrity(self) -> None:
-        self.allocator.check_integrity()
-        owned = sum(len(s.block_table) for s in self.scheduler.running)
-        used = self.allocator.counts()["used"]
-        assert owned == used, (owned, used)
+        """The allocator's books balance and agree with who owns each block."""
+        with self._alloc_lock:
+            self.allocator.check_integrity()
+            counts = self.allocator.counts()
+            owned = sum(len(s.block_table) for s in self.scheduler.running)
+            assert owned == counts["used"], (owned, counts)
+            assert sum(map(len, self.held.values())) == counts["held"], counts
+            assert sum(map(len, self.reserved.values())) == counts["reserved"], counts

@@ -15,7 +15,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.block_allocator import BlockAllocator
+from common.block_allocator import BlockAllocator, BlockState
 from common.sequence import FinishReason, SeqStatus, Sequence
 
 
@@ -39,6 +39,9 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None = None
+    # Prefill role: the prompt's KV blocks, now HELD, when the request stops here
+    # to be decoded elsewhere (finished is True, finish_reason None).
+    held_blocks: list[int] | None = None
 
 
 class Scheduler:
@@ -75,6 +78,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose KV is already in its blocks (it decodes next step)."""
+        seq.transition(SeqStatus.RUNNING)
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
 
     def abort(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.WAITING:
@@ -134,8 +142,19 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
+            elif seq.hold_kv:
+                outputs.append(StepOutput(seq.request_id, [token], True, None, self._hold(seq)))
+                continue
             outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason))
         return outputs
+
+    def _hold(self, seq: Sequence) -> list[int]:
+        """Stop `seq` after its first token, keeping its prompt KV blocks as HELD."""
+        self.running.remove(seq)
+        held, seq.block_table = seq.block_table, []
+        self.allocator.transition(held, BlockState.HELD)
+        seq.transition(SeqStatus.FINISHED)
+        return held
 
     # -- internals -------------------------------------------------------------
 

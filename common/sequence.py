@@ -33,6 +33,7 @@ class Sequence:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         arrival: int,
+        hold_kv: bool = False,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -44,6 +45,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        # Prefill role: after the first token, keep the prompt's KV blocks (HELD)
+        # for transfer instead of decoding on.
+        self.hold_kv = hold_kv
 
     def transition(self, new: SeqStatus) -> None:
         if new not in _LEGAL[self.status]:

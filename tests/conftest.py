@@ -165,7 +165,12 @@ class EngineDriver:
         assert set(self.reasons) == set(self.tokens), "a request never finished"
         counts = self.engine.allocator.counts()
         assert counts["free"] == counts["total"], counts
-        assert self.engine.state()["requests"] == {"waiting": 0, "running": 0}
+        assert self.engine.state()["requests"] == {
+            "waiting": 0,
+            "running": 0,
+            "held": 0,
+            "reserved": 0,
+        }
         return self.tokens
 
 

@@ -78,7 +78,7 @@ def test_abort_waiting_and_running_frees_blocks(make_engine, engine_driver):
     driver.add("r1", p1, greedy(50))
     driver.add("r2", p2, greedy(50))
     driver.step()
-    assert engine.state()["requests"] == {"waiting": 1, "running": 2}
+    assert engine.state()["requests"] == {"waiting": 1, "running": 2, "held": 0, "reserved": 0}
 
     # Abort while waiting: it never ran, so it held no blocks.
     engine.abort_request("r2")
@@ -100,7 +100,7 @@ def test_abort_waiting_and_running_frees_blocks(make_engine, engine_driver):
     assert seq.block_table == []
     # r1 ran in the same step and may have taken at most one new block.
     assert engine.allocator.counts()["used"] <= used - len(owned) + 1
-    assert engine.state()["requests"] == {"waiting": 0, "running": 1}
+    assert engine.state()["requests"] == {"waiting": 0, "running": 1, "held": 0, "reserved": 0}
 
     # An aborted id is free for reuse; unknown and finished ids are ignored.
     driver.add("r0", p3, greedy(4))
