@@ -77,14 +77,51 @@ class AsyncEngine:
     async def stop(self) -> None:
         await asyncio.to_thread(self._thread.stop)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        hold_kv: bool = False,
     ) -> AsyncIterator[StepOutput]:
-        """Yield the request's outputs until it finishes; abort it if the caller stops early."""
+        """Stream a new request's outputs (raises RequestError at once if refused)."""
+        return self._submit(
+            request_id,
+            lambda: self.engine.add_request(request_id, prompt_token_ids, sampling, hold_kv),
+        )
+
+    def decode_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        sampling: SamplingParams,
+    ) -> AsyncIterator[StepOutput]:
+        """Stream a request whose prompt KV landed in its reserved blocks."""
+        return self._submit(
+            request_id,
+            lambda: self.engine.admit_prefilled(
+                request_id, prompt_token_ids, first_token_id, sampling
+            ),
+        )
+
+    def _submit(self, request_id: str, submit: Callable[[], None]) -> AsyncIterator[StepOutput]:
+        # The queue exists before the engine can produce output for the request.
+        # The caller must iterate the stream to its end or aclose() it.
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self.engine.add_request(request_id, prompt_token_ids, sampling)  # raises RequestError
         self._queues[request_id] = queue
+        try:
+            submit()
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
         self._thread.wake()
+        return self._stream(request_id, queue)
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[StepOutput]
+    ) -> AsyncIterator[StepOutput]:
+        """Yield outputs until the request finishes; abort it if the caller stops early."""
         finished = False
         try:
             while not finished:
@@ -102,6 +139,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         self._thread.wake()
+
+    def release_held(self, request_id: str) -> None:
+        self.engine.release_held(request_id)
+        self._thread.wake()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Set once the engine thread died; the node should report unhealthy."""
+        return self._thread.error
 
     def _publish_threadsafe(self, outputs: list[StepOutput]) -> None:
         assert self._loop is not None
