@@ -1,0 +1,132 @@
+"""The token backend the HTTP layer consumes, and its in-process implementation.
+
+The HTTP layer owns text (tokenization, detokenization, stop strings); a backend owns
+everything between token ids in and token ids out: an in-process engine (`EngineBackend`),
+or the disaggregated pipeline (prefill pool -> inter-stage queue -> decode pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from common.sampling import SamplingParams
+from proxy.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
+
+if TYPE_CHECKING:  # the engine stack is only needed where an engine runs in-process
+    from common.engine_loop import AsyncEngine
+    from common.scheduler import StepOutput
+
+FINISH_REASONS = frozenset({"stop", "length", "abort"})
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request in token space: what a backend is asked to generate."""
+
+    request_id: str  # unique per request; also the response id and the X-Request-Id
+    prompt_token_ids: list[int]  # non-empty, each in [0, vocab), shorter than the context
+    sampling: SamplingParams  # max_tokens already fitted to the context
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New token ids of one request, in order. `finish_reason` is set on the last chunk only.
+
+    A finishing chunk's last token may be the stop token itself (EOS or one of
+    `sampling.stop_token_ids`), as the engine emits it: the HTTP layer counts it and does not
+    render it. `token_ids` may be empty (e.g. a finish-only chunk).
+    """
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None
+
+    def __post_init__(self) -> None:
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASONS)}")
+
+
+class BackendError(ApiError):
+    """A backend refuses or fails a request.
+
+    Raised from the token stream: before its first chunk, the client gets an HTTP error with
+    this status and body (and `Retry-After` when `retry_after` is set); after, the stream ends
+    with an SSE error event carrying the same body.
+    """
+
+    @classmethod
+    def overloaded(cls, message: str, retry_after: float | None = None) -> BackendError:
+        """503: queues are full; the client should retry later."""
+        return cls(503, message, type=SERVER_ERROR, code="overloaded", retry_after=retry_after)
+
+    @classmethod
+    def unavailable(cls, message: str, retry_after: float | None = None) -> BackendError:
+        """503: no node can serve the request now (none registered, all down)."""
+        return cls(503, message, type=SERVER_ERROR, code="unavailable", retry_after=retry_after)
+
+    @classmethod
+    def refused(cls, message: str, param: str | None = None) -> BackendError:
+        """400: a node refused the request as invalid (e.g. it does not fit its KV cache)."""
+        return cls(400, message, type=INVALID_REQUEST, param=param)
+
+    @classmethod
+    def failed(cls, message: str) -> BackendError:
+        """502: a node failed while serving the request (died, sent garbage, timed out)."""
+        return cls(502, message, type=SERVER_ERROR, code="backend_failure")
+
+
+TokenStream = AsyncGenerator[TokenChunk, None]
+
+
+class TokenBackend(Protocol):
+    """Generates token ids for validated requests.
+
+    Contract:
+    - `generate(req)` returns an async generator (write it with `async def ... yield`); work
+      may start lazily, at the first `__anext__`. Errors (`BackendError`) may be raised from
+      any `__anext__`, the first included.
+    - It yields `TokenChunk`s in order and ends right after the chunk that carries a
+      `finish_reason`. Ending without one is treated as a backend failure (502).
+    - Closing it early (`aclose()`, or the consuming task cancelled while it awaits inside)
+      cancels the request everywhere it is held, and must free its resources (queue entries,
+      KV blocks on every node). The HTTP layer always closes it: on a stop string, on client
+      disconnect, on error, on shutdown. `aclose()` should return promptly: hand slow remote
+      cancels to a task the backend owns rather than awaiting a network round trip.
+    - "abort" is reserved for requests the backend ended on its own (drain, shutdown); the HTTP
+      layer reports it to the client as an error, not as a finish.
+    """
+
+    def generate(self, req: GenerationRequest) -> TokenStream: ...
+
+
+class EngineBackend:
+    """`TokenBackend` over an in-process `AsyncEngine` (colocated prefill and decode).
+
+    The caller owns the engine's life: `await engine.start()` before serving and
+    `await engine.stop()` after.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def generate(self, req: GenerationRequest) -> TokenStream:
+        from common.engine import RequestError  # already loaded: the caller built an engine
+
+        outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling)
+        try:
+            async for out in outputs:
+                yield _chunk(out)
+        except RequestError as e:
+            raise BackendError.refused(str(e)) from e
+        except RuntimeError as e:  # AsyncEngine: the engine thread died
+            raise BackendError.failed(f"the engine failed: {e}") from e
+        finally:
+            await outputs.aclose()  # aborts the request in the engine if it has not finished
+
+
+def _chunk(out: StepOutput) -> TokenChunk:
+    reason = out.finish_reason.value if out.finish_reason is not None else None
+    if out.finished and reason is None:  # the engine thread died (AsyncEngine's sentinel)
+        raise BackendError.failed("the engine stopped")
+    return TokenChunk(list(out.new_token_ids), reason)
