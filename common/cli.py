@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text"} only')
     g.set_defaults(func=cmd_generate)
 
+    from common.node_main import add_node_args
+
+    add_node_args(
+        sub.add_parser("node", help="run a node server (--role prefill|decode|both)"), None
+    )
+    add_node_args(sub.add_parser("prefill", help="run a prefill node"), "prefill")
+    add_node_args(sub.add_parser("decode", help="run a decode node"), "decode")
+
     t = sub.add_parser("make-tiny-model", help="write the built-in default model to DIR")
     t.add_argument("dir")
     t.set_defaults(func=cmd_make_tiny_model)

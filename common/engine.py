@@ -219,6 +219,11 @@ class LLMEngine:
                     if seq is not None:  # else already finished, or never added
                         self.scheduler.abort(seq)
                         outputs.append(StepOutput(request_id, [], True, FinishReason.ABORT))
+                    elif request_id in self.held:
+                        # Aborted by a caller that never saw the hold: nothing can be
+                        # transferring these blocks, since no one learned of them.
+                        self.allocator.free(self.held.pop(request_id))
+                        self._forget(request_id)
                 case _ReleaseHeld(request_id):
                     blocks = self.held.pop(request_id, None)
                     if blocks is not None:

@@ -1,0 +1,78 @@
+"""Prometheus metrics of a node, in the node's own registry (no global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class _StateCollector(Collector):
+    """Gauges read from the node's /state at scrape time."""
+
+    def __init__(self, role: str, state: Callable[[], dict[str, object]]) -> None:
+        self.role = role
+        self.state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        st = self.state()
+        blocks = st.get("blocks")
+        reqs = st.get("requests")
+        if not isinstance(blocks, dict) or not isinstance(reqs, dict):
+            return
+        g = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks by state", labels=["state"])
+        for name in ("free", "used", "held", "reserved"):
+            g.add_metric([name], blocks[name])
+        yield g
+        q = GaugeMetricFamily(
+            "pdserve_node_requests", "Requests on this node by state", labels=["state"]
+        )
+        for name, value in reqs.items():
+            q.add_metric([name], value)
+        yield q
+        d = GaugeMetricFamily(
+            "pdserve_queue_depth", "Requests waiting in a queue", labels=["queue"]
+        )
+        d.add_metric(["prefill" if self.role == "prefill" else "decode"], reqs["waiting"])
+        yield d
+
+
+class NodeMetrics:
+    def __init__(
+        self, registry: CollectorRegistry, role: str, state: Callable[[], dict[str, object]]
+    ) -> None:
+        self.registry = registry
+        registry.register(_StateCollector(role, state))
+        self.requests = Counter(
+            "pdserve_node_requests_total", "Requests by outcome", ["outcome"], registry=registry
+        )
+        self.cancellations = Counter(
+            "pdserve_cancellations_total", "Cancellations by stage", ["stage"], registry=registry
+        )
+        self.lease_expiries = Counter(
+            "pdserve_lease_expiries_total",
+            "Held block sets freed by lease expiry",
+            registry=registry,
+        )
+        self.kv_wait_timeouts = Counter(
+            "pdserve_kv_wait_timeouts_total",
+            "Reservations given up because KV never arrived",
+            registry=registry,
+        )
+        self.transfer_seconds = Histogram(
+            "pdserve_transfer_seconds",
+            "KV transfer latency (request to completion)",
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+        )
+        self.transfer_bytes = Histogram(
+            "pdserve_transfer_bytes",
+            "Bytes per KV transfer",
+            registry=registry,
+            buckets=tuple(2**i for i in range(12, 34, 2)),
+        )
+        self.transfer_failures = Counter(
+            "pdserve_transfer_failures_total", "Failed KV transfers", ["reason"], registry=registry
+        )

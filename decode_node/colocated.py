@@ -1,0 +1,27 @@
+"""The colocated node (`--role both`): prefill and decode in one engine.
+
+The baseline disaggregation is compared against: the proxy streams a request
+from POST /internal/generate, with no KV transfer.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from common.node import Node, read_message, stream_outputs
+from common.node_messages import GenerateRequest
+
+
+class ColocatedNode(Node):
+    role = "both"
+
+    def routes(self) -> list[web.RouteDef]:
+        return [*super().routes(), web.post("/internal/generate", self.handle_generate)]
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        self.check_admitting()
+        msg = await read_message(request, GenerateRequest)
+        assert self.front is not None
+        outputs = self.front.generate(msg.request_id, msg.prompt_token_ids, msg.sampling)
+        self.metrics.requests.labels(outcome="admitted").inc()
+        return await stream_outputs(request, msg.request_id, outputs)

@@ -1,0 +1,237 @@
+"""The prefill node: prompt in, first token and a KV handle out; KV written to decode.
+
+POST /internal/prefill runs the prompt through the engine with `hold_kv`: the
+engine samples the first token and keeps the prompt's KV blocks HELD. The node
+puts them under a lease (prefill_node.held) and answers with a KVHandle. A
+decode node then sends a TransferRequest over the KV-transfer side channel; the
+node WRITEs the held blocks into the named destination blocks and frees its own
+only when the transfer reports a terminal event (done, failed, quiescent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from common.errors import ApiError
+from common.messages import KVAborted, TransferRequest
+from common.node import Node, json_message, read_message
+from common.node_messages import (
+    KVHandle,
+    LeaseExtend,
+    LeaseExtendResult,
+    PrefillRequest,
+    PrefillResult,
+)
+from common.scheduler import StepOutput
+from common.sequence import FinishReason
+from kv_transfer import (
+    KVTransferAgent,
+    MessageReceived,
+    Quiescent,
+    TransferDone,
+    TransferEvent,
+    TransferFailed,
+    TransferRejected,
+)
+from kv_transfer.lease import Lease
+from prefill_node.held import HeldKV, HeldState, HeldTable
+
+log = logging.getLogger(__name__)
+
+
+class PrefillNode(Node):
+    role = "prefill"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.held = HeldTable()
+        self.agent: KVTransferAgent | None = None
+
+    async def start_role(self) -> None:
+        assert self.engine is not None and self.fingerprint is not None
+        self.agent = await asyncio.to_thread(
+            KVTransferAgent,
+            self.config.transfer,
+            self.engine.kv_cache,
+            self.engine_id,
+            self.fingerprint,
+        )
+        self.spawn(self._pump_events(), "kv-events")
+        self.spawn(self._reap_leases(), "lease-reaper")
+
+    async def stop_role(self) -> None:
+        if self.agent is not None:
+            # Unfinished transfers end (quiescent) inside close(); then nothing reads
+            # the blocks and every held set can be freed.
+            await asyncio.to_thread(self.agent.close)
+            for event in self.agent.poll_events():
+                self._on_event(event)
+        for entry in self.held.entries():
+            self._release(entry.request_id, "shutdown")
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            *super().routes(),
+            web.post("/internal/prefill", self.handle_prefill),
+            web.post("/internal/extend", self.handle_extend),
+        ]
+
+    def transferring(self) -> int:
+        return self.held.count(HeldState.SENDING)
+
+    def busy(self) -> bool:
+        return super().busy() or len(self.held) > 0
+
+    # -- prefill -----------------------------------------------------------------
+
+    async def handle_prefill(self, request: web.Request) -> web.Response:
+        self.check_admitting()
+        msg = await read_message(request, PrefillRequest)
+        assert self.front is not None and self.agent is not None
+        outputs = self.front.generate(
+            msg.request_id, msg.prompt_token_ids, msg.sampling, hold_kv=True
+        )
+        final: StepOutput | None = None
+        try:
+            async for out in outputs:  # exactly one output: the first token (or an abort)
+                final = out
+                if out.held_blocks is not None:
+                    # No await between the engine's hold and this: a cancelled handler
+                    # either never saw the hold (the engine frees it on abort) or holds it.
+                    self._hold(msg, out.held_blocks)
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+        assert final is not None
+        if final.finish_reason is FinishReason.ABORT:
+            self.metrics.requests.labels(outcome="cancelled").inc()
+            raise ApiError(409, f"request {msg.request_id} was cancelled", code="cancelled")
+        self.metrics.requests.labels(outcome="prefilled").inc()
+        return json_message(self._result(msg, final))
+
+    def _hold(self, msg: PrefillRequest, blocks: list[int]) -> None:
+        lease = Lease.grant(msg.request_id, blocks, msg.lease_s)
+        self.held.add(HeldKV(msg.request_id, blocks, len(msg.prompt_token_ids), lease))
+
+    def _result(self, msg: PrefillRequest, out: StepOutput) -> PrefillResult:
+        (token,) = out.new_token_ids
+        entry = self.held.get(msg.request_id)
+        if entry is None:  # finished at its first token: nothing held
+            reason = out.finish_reason.value if out.finish_reason is not None else None
+            return PrefillResult(
+                request_id=msg.request_id, first_token_id=token, finish_reason=reason, kv=None
+            )
+        assert self.agent is not None
+        kv = KVHandle(
+            engine_id=self.engine_id,
+            side_channel=self.agent.address,
+            num_blocks=len(entry.blocks),
+            num_tokens=entry.num_tokens,
+            lease_deadline=time.time() + entry.lease.remaining(),
+        )
+        return PrefillResult(
+            request_id=msg.request_id, first_token_id=token, finish_reason=None, kv=kv
+        )
+
+    async def handle_extend(self, request: web.Request) -> web.Response:
+        msg = await read_message(request, LeaseExtend)
+        extended, missing = [], []
+        for rid in msg.request_ids:
+            entry = self.held.get(rid)
+            if entry is None or entry.state is not HeldState.HELD or entry.lease.expired():
+                missing.append(rid)
+                continue
+            entry.lease = entry.lease.extend(msg.lease_s)
+            extended.append(rid)
+        return json_message(LeaseExtendResult(extended=extended, missing=missing))
+
+    # -- cancel, expiry, release ---------------------------------------------------
+
+    async def cancel(self, request_id: str) -> bool:
+        entry = self.held.get(request_id)
+        if entry is None:  # still queued or computing: the engine aborts it
+            return await super().cancel(request_id)
+        if entry.state is HeldState.HELD:
+            self._release(request_id, "cancelled")
+        else:  # SENDING: stop the write; the blocks go when it is quiescent
+            entry.cancel_requested = True
+            assert self.agent is not None
+            self.agent.abort(request_id)
+        return True
+
+    async def _reap_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_reap_interval_s)
+            for entry in self.held.expired(time.monotonic()):
+                log.info(
+                    "lease of %s expired; freeing %d blocks", entry.request_id, len(entry.blocks)
+                )
+                self.metrics.lease_expiries.inc()
+                self._release(entry.request_id, "lease expired")
+
+    def _release(self, request_id: str, why: str) -> None:
+        entry = self.held.release(request_id)
+        if entry is None:
+            return
+        log.debug("releasing %s (%s)", request_id, why)
+        assert self.front is not None
+        self.front.release_held(request_id)
+
+    # -- KV-transfer events --------------------------------------------------------
+
+    async def _pump_events(self) -> None:
+        assert self.agent is not None
+        while True:
+            for event in await self.agent.next_events():
+                try:
+                    self._on_event(event)
+                except Exception:
+                    log.exception("handling %r", event)
+
+    def _on_event(self, event: TransferEvent) -> None:
+        match event:
+            case MessageReceived(peer_id, TransferRequest() as req):
+                self._on_transfer_request(peer_id, req)
+            case TransferDone(request_id):
+                self._transfer_ended(request_id, ok=True)
+            case TransferFailed(request_id, _, reason, detail):
+                self.metrics.transfer_failures.labels(reason=reason.value).inc()
+                log.info("transfer of %s failed: %s %s", request_id, reason.value, detail)
+                self._transfer_ended(request_id, ok=False)
+            case Quiescent(request_id):
+                self._transfer_ended(request_id, ok=False)
+            case _:
+                pass  # peer up/down, Abort notices: the layer already ended the transfers
+
+    def _on_transfer_request(self, peer_id: str, req: TransferRequest) -> None:
+        assert self.agent is not None
+        entry = self.held.get(req.request_id)
+        if entry is None or entry.state is not HeldState.HELD:
+            why = "unknown, expired or already sent" if entry is None else "already sending"
+            self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=why))
+            return
+        if len(req.dst_block_ids) != len(entry.blocks):
+            why = f"{len(req.dst_block_ids)} destination blocks for {len(entry.blocks)} held"
+            self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=why))
+            return
+        entry.transition(HeldState.SENDING)
+        entry.peer_id = peer_id
+        entry.sent_at = time.monotonic()
+        try:
+            self.agent.write(req.request_id, peer_id, entry.blocks, req.dst_block_ids)
+        except TransferRejected as e:
+            self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=str(e)))
+            self._release(req.request_id, f"write refused: {e}")
+
+    def _transfer_ended(self, request_id: str, ok: bool) -> None:
+        entry = self.held.get(request_id)
+        if entry is None:
+            return
+        if ok:
+            assert self.engine is not None
+            self.metrics.transfer_seconds.observe(time.monotonic() - entry.sent_at)
+            self.metrics.transfer_bytes.observe(len(entry.blocks) * self.engine.block_bytes)
+        self._release(request_id, "transfer done" if ok else "transfer ended")
