@@ -55,15 +55,17 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     k, v = gather_kv(kv_cache, layer, block_tables)  # [B, T, kvh, hd]
     num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
-    scores = torch.einsum("bkgd,btkd->bkgt", qg, k).float() * scale
-    t = torch.arange(k.shape[1], device=q.device)
-    mask = t[None, :] >= context_lens[:, None]  # [B, T]
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, v)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
+    # SDPA over strided [B, kvh, T, hd] views: no copy of K/V beyond the gather.
+    out = F.scaled_dot_product_attention(
+        q.view(num_seqs, num_heads, 1, head_dim),
+        k.transpose(1, 2).to(q.dtype),
+        v.transpose(1, 2).to(q.dtype),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_kv_heads != num_heads,
+    )
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def paged_prefill_attention(
@@ -83,19 +85,20 @@ def paged_prefill_attention(
     ctx = start_pos + n
     k, v = gather_kv(kv_cache, layer, block_table)
     k, v = k[:ctx], v[:ctx]
-    num_kv_heads = k.shape[1]
-    # SDPA wants [heads, seq, dim]; GQA by repeating KV heads.
+    gqa = k.shape[1] != num_heads
+    # SDPA wants [heads, seq, dim]; transposed views, no copies.
     qh = q.transpose(0, 1)
     kh = k.transpose(0, 1).to(q.dtype)
     vh = v.transpose(0, 1).to(q.dtype)
-    if num_kv_heads != num_heads:
-        kh = kh.repeat_interleave(num_heads // num_kv_heads, dim=0)
-        vh = vh.repeat_interleave(num_heads // num_kv_heads, dim=0)
     if start_pos == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     else:
         qpos = torch.arange(start_pos, ctx, device=q.device)
         kpos = torch.arange(ctx, device=q.device)
         mask = kpos[None, :] <= qpos[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
     return out.transpose(0, 1)
