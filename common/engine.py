@@ -215,8 +215,8 @@ class LLMEngine:
                     self._seqs[seq.request_id] = seq
                     self.scheduler.add(seq)
                 case _Abort(request_id):
-                    seq = self._seqs.get(request_id)
-                    if seq is not None:  # else already finished, or never added
+                    seq = self._seqs.pop(request_id, None)
+                    if seq is not None:  # else already finished (or aborted), or never added
                         self.scheduler.abort(seq)
                         outputs.append(StepOutput(request_id, [], True, FinishReason.ABORT))
                     elif request_id in self.held:

@@ -114,10 +114,10 @@ class Node:
         if self._runner is not None:
             await self._runner.cleanup()  # cancels handlers: their streams abort requests
             self._runner = None
-        await self.stop_role()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.stop_role()  # no task uses the role's resources any more
         if self.front is not None:
             await self.front.stop()
 

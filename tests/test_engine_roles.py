@@ -87,3 +87,16 @@ def test_reservation_refused_when_full_and_freed_on_cancel(tiny_model_dir: Path)
     decode.free_reserved("r")  # idempotent
     decode.check_integrity()
     assert decode.state()["blocks"]["free"] == 8
+
+
+def test_double_abort_in_one_step_is_harmless(tiny_model_dir: Path) -> None:
+    # The proxy's cancel and the stream's close both abort: same step, same id.
+    engine = _engine(tiny_model_dir)
+    engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request("x")
+    engine.abort_request("x")
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason.value) for o in outs] == [("x", "abort")]
+    engine.check_integrity()
+    assert engine.state()["blocks"]["free"] == 64
