@@ -116,13 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"token_ids", "text"} only')
     g.set_defaults(func=cmd_generate)
 
+    from common.launcher import add_up_parser
     from common.node_main import add_node_args
+    from proxy.settings import add_proxy_parser
 
     add_node_args(
         sub.add_parser("node", help="run a node server (--role prefill|decode|both)"), None
     )
     add_node_args(sub.add_parser("prefill", help="run a prefill node"), "prefill")
     add_node_args(sub.add_parser("decode", help="run a decode node"), "decode")
+    add_proxy_parser(sub)  # proxy.settings
+    add_up_parser(sub)  # common.launcher
 
     t = sub.add_parser("make-tiny-model", help="write the built-in default model to DIR")
     t.add_argument("dir")

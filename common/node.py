@@ -239,22 +239,33 @@ def json_message(msg: object, status: int = 200) -> web.Response:
     return web.Response(body=to_json(msg), status=status, content_type="application/json")  # type: ignore[arg-type]
 
 
+def ndjson_response() -> web.StreamResponse:
+    return web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+
+
+async def write_error_line(resp: web.StreamResponse, request_id: str, err: ApiError) -> None:
+    """The last line of a stream that failed after its headers went out."""
+    delta = TokenDelta(request_id=request_id, token_ids=[], error=f"{err.code}: {err.message}")
+    await resp.write(to_json(delta) + b"\n")
+    await resp.write_eof()
+
+
 async def stream_outputs(
     request: web.Request,
     request_id: str,
     outputs: AsyncIterator[StepOutput],
-    on_output: Callable[[StepOutput], None] | None = None,
+    resp: web.StreamResponse | None = None,
 ) -> web.StreamResponse:
     """Write engine outputs as NDJSON TokenDelta lines until the request finishes.
 
-    A disconnect cancels this handler; closing `outputs` then aborts the request.
+    `resp` may already be prepared. A disconnect cancels this handler; closing
+    `outputs` then aborts the request.
     """
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await resp.prepare(request)
+    if resp is None:
+        resp = ndjson_response()
+        await resp.prepare(request)
     try:
         async for out in outputs:
-            if on_output is not None:
-                on_output(out)
             reason = out.finish_reason.value if out.finish_reason is not None else None
             delta = TokenDelta(
                 request_id=request_id, token_ids=out.new_token_ids, finish_reason=reason

@@ -66,6 +66,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # pollers hit /state often
     return asyncio.run(serve(node_config(args)))
 
 

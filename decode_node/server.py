@@ -15,7 +15,7 @@ import logging
 from aiohttp import web
 
 from common.errors import SERVER_ERROR, ApiError, invalid_request
-from common.node import Node, read_message, stream_outputs
+from common.node import Node, ndjson_response, read_message, stream_outputs, write_error_line
 from common.node_messages import DecodeRequest
 from decode_node.incoming import Incoming, InState
 from kv_transfer import (
@@ -87,8 +87,17 @@ class DecodeNode(Node):
             )
         entry = Incoming(msg.request_id, blocks, asyncio.get_running_loop().create_future())
         self.incoming[msg.request_id] = entry
+        # Headers go out once the blocks are reserved: the proxy's dispatcher moves
+        # on to the next queued request while this one's KV is in flight.
+        resp = ndjson_response()
         try:
+            await resp.prepare(request)
             await self._receive(entry, msg)
+        except ApiError as err:
+            self._abandon(entry)
+            self.metrics.requests.labels(outcome=err.code or "failed").inc()
+            await write_error_line(resp, msg.request_id, err)
+            return resp
         except BaseException:
             self._abandon(entry)
             raise
@@ -97,7 +106,7 @@ class DecodeNode(Node):
             msg.request_id, msg.prompt_token_ids, msg.first_token_id, msg.sampling
         )
         self.metrics.requests.labels(outcome="admitted").inc()
-        return await stream_outputs(request, msg.request_id, outputs)
+        return await stream_outputs(request, msg.request_id, outputs, resp)
 
     async def _receive(self, entry: Incoming, msg: DecodeRequest) -> None:
         """Pull the KV into entry.blocks; return once it landed, else raise ApiError."""

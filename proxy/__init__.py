@@ -1,5 +1,7 @@
 """The proxy: the OpenAI-compatible HTTP surface in front of a token backend.
 
+HTTP layer (text in, text out):
+
 - `server.py`: `build_app` (routes, body checks, error middleware) and `make_runner`.
 - `protocol.py`: request/response models (pydantic) and request parsing.
 - `prepare.py`: model check, chat template, tokenization, context fitting, sampling params.
@@ -9,4 +11,17 @@
 - `backend.py`: the `TokenBackend` contract, `BackendError`, and `EngineBackend`.
 - `hooks.py`: `ProxyHooks`, the observation points for metrics and the request trace.
 - `errors.py`: `ApiError` and the OpenAI error body.
+
+Node pools (token ids in, token ids out):
+
+- `disagg.py`: `DisaggBackend` (prefill -> inter-stage queue -> decode, cancel at each
+  stage) and `ColocatedBackend` (`both` nodes).
+- `interstage.py`: the inter-stage queue: bounded FIFO of prefilled requests waiting for
+  decode capacity, one dispatcher, prefill lease extension.
+- `nodes.py`: `NodeRegistry`: nodes by URL, health/state poller, routing, fingerprint check.
+- `node_state.py`: one node's role, status (enum with transitions), last `/state`, load.
+- `node_client.py`: the nodes' internal HTTP API: timeouts per call, NDJSON streams, errors.
+- `admin.py`: `GET|POST|DELETE /admin/nodes`.
+- `metrics.py`: Prometheus metrics (requests, TTFT, ITL, E2E, inter-stage queue).
+- `settings.py`, `main.py`: `pdserve proxy` (flags -> `ProxySettings` -> app -> serve).
 """

@@ -1,0 +1,182 @@
+"""`pdserve proxy`: the OpenAI-compatible front over node pools.
+
+    pdserve proxy --port 8000 --prefill http://h1:9001,http://h2:9001 --decode http://h3:9002
+    pdserve proxy --port 8000 --colocated http://h1:9003          # the colocated baseline
+
+Routes: the OpenAI API of `proxy.server`, `GET /metrics` (this proxy's registry: requests,
+TTFT, ITL, E2E, inter-stage queue), `GET|POST|DELETE /admin/nodes` (`proxy.admin`). The
+tokenizer, chat template and context length come from `--model` (default: the built-in
+model). SIGINT/SIGTERM stop admission, let in-flight requests finish for
+`--shutdown-timeout-s`, cancel the rest on their nodes, and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from common.model_config import ModelConfig
+from common.tokenizer import Tokenizer
+from proxy.admin import AdminRoutes
+from proxy.backend import TokenBackend
+from proxy.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from proxy.interstage import InterStageConfig, InterStageQueue
+from proxy.metrics import InterStageMetrics, ProxyMetrics, metrics_handler
+from proxy.node_client import NodeClient
+from proxy.node_state import Role
+from proxy.nodes import NodeRegistry, RegistryConfig
+from proxy.server import HealthCheck, ProxyConfig, build_app, make_runner
+from proxy.settings import ProxySettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProxyParts:
+    """What `build_proxy` wired together (tests and the launcher look inside)."""
+
+    app: web.Application
+    registry: NodeRegistry
+    client: NodeClient
+    queue: InterStageQueue | None
+    metrics: CollectorRegistry
+    model_name: str
+
+
+def build_proxy(settings: ProxySettings) -> ProxyParts:
+    """The proxy app; its nodes are polled and its queue runs while the app is set up."""
+    tokenizer = Tokenizer.from_dir(settings.model)
+    max_model_len = (
+        settings.max_model_len or ModelConfig.from_dir(settings.model).max_position_embeddings
+    )
+    metrics = CollectorRegistry()
+    client = NodeClient(settings.timeouts)
+    roles = {Role.BOTH} if settings.colocated_mode else {Role.PREFILL, Role.DECODE}
+    registry = NodeRegistry(client, RegistryConfig(settings.poll_interval_s, frozenset(roles)))
+    for role, urls in settings.node_urls().items():
+        for url in urls:
+            registry.add(url, role)
+    queue, backend = _backend(settings, registry, client, metrics)
+    app = build_app(
+        backend,
+        tokenizer,
+        settings.model_name(),
+        max_model_len,
+        config=ProxyConfig(max_body_bytes=settings.max_body_bytes),
+        hooks=ProxyMetrics(metrics),
+        health_check=_health_check(registry, roles),
+    )
+    app.router.add_get("/metrics", metrics_handler(metrics))
+    AdminRoutes(registry).add_to(app)
+    app.cleanup_ctx.append(_lifecycle(registry, client, queue))
+    return ProxyParts(app, registry, client, queue, metrics, settings.model_name())
+
+
+def _backend(
+    settings: ProxySettings, registry: NodeRegistry, client: NodeClient, metrics: CollectorRegistry
+) -> tuple[InterStageQueue | None, TokenBackend]:
+    config = DisaggConfig(lease_s=settings.lease_s)
+    if settings.colocated_mode:
+        return None, ColocatedBackend(registry, client, config)
+    queue_config = InterStageConfig(
+        capacity=settings.interstage_capacity,
+        lease_s=settings.lease_s,
+        max_wait_s=settings.interstage_max_wait_s,
+    )
+    queue = InterStageQueue(registry, client, InterStageMetrics(metrics), queue_config)
+    registry.add_listener(lambda node: queue.notify_capacity())
+    return queue, DisaggBackend(registry, client, queue, config)
+
+
+def _health_check(registry: NodeRegistry, roles: set[Role]) -> HealthCheck:
+    async def healthy() -> bool:
+        return all(registry.healthy(role) for role in roles)
+
+    return healthy
+
+
+def _lifecycle(
+    registry: NodeRegistry, client: NodeClient, queue: InterStageQueue | None
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        await client.start()
+        await registry.start()
+        if queue is not None:
+            await queue.start()
+        try:
+            yield
+        finally:
+            if queue is not None:
+                await queue.stop()
+            await registry.stop()
+            await client.close()
+
+    return ctx
+
+
+# -- serving -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunningProxy:
+    runner: web.AppRunner
+    parts: ProxyParts
+    url: str
+
+    async def stop(self) -> None:
+        """Graceful: stop accepting, drain (bounded), cancel the rest, stop the pollers."""
+        await self.runner.cleanup()
+
+
+async def start_proxy(settings: ProxySettings) -> RunningProxy:
+    parts = build_proxy(settings)
+    runner = make_runner(parts.app, shutdown_timeout=settings.shutdown_timeout_s)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    port = runner.addresses[0][1]
+    return RunningProxy(runner, parts, f"http://{display_host(settings.host)}:{port}")
+
+
+def display_host(host: str) -> str:
+    """A host clients can reach: the wildcard addresses mean this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+async def serve(settings: ProxySettings) -> int:
+    """Run the proxy until SIGINT/SIGTERM; 0 after a graceful stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    proxy = await start_proxy(settings)
+    try:
+        print(f"pdserve proxy ready: {proxy.url}", flush=True)
+        await stop.wait()
+        log.info("stopping: draining in-flight requests (up to %gs)", settings.shutdown_timeout_s)
+    finally:
+        await proxy.stop()
+    return 0
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def run(settings: ProxySettings, log_level: str = "INFO", access_log: bool = False) -> int:
+    """Configure logging and serve until a signal (the `pdserve proxy` command)."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not access_log:
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    return asyncio.run(serve(settings))

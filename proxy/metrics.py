@@ -1,0 +1,148 @@
+"""The proxy's Prometheus metrics, in one `CollectorRegistry` per proxy (no global state).
+
+- `ProxyMetrics` (a `ProxyHooks`): requests by endpoint and outcome, in-flight requests,
+  TTFT, inter-token latency, end-to-end latency.
+- `InterStageMetrics`: the inter-stage queue's depth, wait time, exits and lease extensions.
+- `metrics_handler(registry)`: the `GET /metrics` route.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from proxy.errors import ApiError
+from proxy.hooks import ProxyHooks
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+@dataclass
+class _Timing:
+    endpoint: str
+    received: float
+    last_token: float | None = None
+
+
+class ProxyMetrics(ProxyHooks):
+    """Request-level metrics from the HTTP layer's hooks."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "pdserve_proxy_requests",
+            "Generation requests by endpoint and outcome "
+            "(stop, length, client_error, server_error, cancelled).",
+            ["endpoint", "outcome"],
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "pdserve_proxy_requests_in_flight", "Requests being served.", registry=registry
+        )
+        self.ttft = Histogram(
+            "pdserve_proxy_ttft_seconds",
+            "Time to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "pdserve_proxy_itl_seconds",
+            "Inter-token latency.",
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "pdserve_proxy_e2e_seconds",
+            "Request latency, received to finished.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._live: dict[str, _Timing] = {}
+
+    def on_received(self, request_id: str, endpoint: str) -> None:
+        self._live[request_id] = _Timing(endpoint, time.monotonic())
+        self.in_flight.inc()
+
+    def on_tokens(self, request_id: str, num_tokens: int) -> None:
+        timing = self._live.get(request_id)
+        if timing is None or num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if timing.last_token is None:
+            self.ttft.observe(now - timing.received)
+        else:
+            gap = (now - timing.last_token) / num_tokens
+            for _ in range(num_tokens):
+                self.itl.observe(gap)
+        timing.last_token = now
+
+    def on_finished(
+        self, request_id: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        timing = self._end(request_id, finish_reason)
+        if timing is not None:
+            self.e2e.observe(time.monotonic() - timing.received)
+
+    def on_error(self, request_id: str, error: ApiError, stream_started: bool) -> None:
+        self._end(request_id, "client_error" if error.status < 500 else "server_error")
+
+    def on_cancelled(self, request_id: str, reason: str) -> None:
+        self._end(request_id, "cancelled")
+
+    def _end(self, request_id: str, outcome: str) -> _Timing | None:
+        timing = self._live.pop(request_id, None)
+        if timing is not None:
+            self.in_flight.dec()
+            self.requests.labels(timing.endpoint, outcome).inc()
+        return timing
+
+
+class InterStageMetrics:
+    """What the inter-stage queue reports."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.depth = Gauge(
+            "pdserve_interstage_queue_depth",
+            "Prefilled requests waiting for decode capacity.",
+            registry=registry,
+        )
+        self.wait = Histogram(
+            "pdserve_interstage_wait_seconds",
+            "Time from prefilled to accepted by a decode node.",
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.exits = Counter(
+            "pdserve_interstage_exits",
+            "Requests leaving the inter-stage queue, by outcome "
+            "(dispatched, cancelled, failed, expired).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.lease_extensions = Counter(
+            "pdserve_interstage_lease_extend_calls",
+            "Batched lease extension calls to prefill nodes, by result (ok, error).",
+            ["result"],
+            registry=registry,
+        )
+        self.decode_full = Counter(
+            "pdserve_interstage_decode_full",
+            "Offers a decode node declined as full.",
+            registry=registry,
+        )
+
+
+def metrics_handler(
+    registry: CollectorRegistry,
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handle(request: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return handle

@@ -1,0 +1,171 @@
+"""One node as the proxy sees it: role, status (an enum with legal transitions), the last
+`GET /state` (parsed into `NodeState`), and the load this proxy added since that poll."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+
+class Role(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"  # colocated: prefills and decodes locally
+
+
+class NodeStatus(Enum):
+    PENDING = "pending"  # registered from flags, not reached yet
+    UP = "up"  # answered the last poll, healthy, compatible
+    DOWN = "down"  # unreachable, or /health said 503 (draining, engine dead)
+    REFUSED = "refused"  # wrong role or model fingerprint: never routed to
+
+
+_LEGAL: dict[NodeStatus, frozenset[NodeStatus]] = {
+    NodeStatus.PENDING: frozenset({NodeStatus.UP, NodeStatus.DOWN, NodeStatus.REFUSED}),
+    NodeStatus.UP: frozenset({NodeStatus.DOWN, NodeStatus.REFUSED}),
+    NodeStatus.DOWN: frozenset({NodeStatus.UP, NodeStatus.REFUSED}),
+    NodeStatus.REFUSED: frozenset({NodeStatus.UP, NodeStatus.DOWN}),
+}
+
+
+class Capacity(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    max_num_seqs: int = 0  # 0: unknown
+    running: int = 0
+    reserved: int = 0
+    free_blocks: int = 0
+    block_size: int = 16
+
+
+class NodeState(BaseModel):
+    """The fields of a node's `GET /state` that routing reads (the rest is kept raw)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    role: str
+    engine_id: str = ""
+    model_fingerprint: str
+    blocks: dict[str, int] = {}
+    requests: dict[str, int] = {}
+    capacity: Capacity | None = None
+    queued_prefill_tokens: int = 0
+
+    @field_validator("model_fingerprint", mode="before")
+    @classmethod
+    def _canonical(cls, value: Any) -> Any:
+        if isinstance(value, dict):  # a structured fingerprint: compare its canonical JSON
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return value
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> NodeState:
+        """Raises ValueError (pydantic's ValidationError) naming what is missing."""
+        return cls.model_validate(data)
+
+    def free_blocks(self) -> int:
+        if self.capacity is not None:
+            return self.capacity.free_blocks
+        return int(self.blocks.get("free", 0))
+
+
+def normalize_url(url: str) -> str:
+    """`http(s)://host:port[/prefix]` without a trailing slash; ValueError otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"node URL must look like http://HOST:PORT, got {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"node URL must not have a query or fragment: {url!r}")
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+@dataclass(eq=False)
+class Node:
+    url: str
+    role: Role
+    status: NodeStatus = NodeStatus.PENDING
+    error: str | None = None  # why it is DOWN or REFUSED
+    state: NodeState | None = None  # the last /state read
+    last_ok: float | None = None  # monotonic time of that read
+    inflight: int = 0  # this proxy's requests in a call to the node now
+    # Sent since the current poll began: what the last /state cannot show yet.
+    sent_tokens: int = 0
+    sent_requests: int = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.status is NodeStatus.UP
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.state.model_fingerprint if self.state is not None else None
+
+    def transition(self, status: NodeStatus, error: str | None) -> None:
+        if status is not self.status and status not in _LEGAL[self.status]:
+            raise ValueError(f"node {self.url}: illegal transition {self.status} -> {status}")
+        self.status, self.error = status, error
+
+    # -- load accounting ---------------------------------------------------------------------
+
+    def sent(self, num_tokens: int) -> None:
+        self.sent_tokens += num_tokens
+        self.sent_requests += 1
+
+    def sent_mark(self) -> tuple[int, int]:
+        return self.sent_tokens, self.sent_requests
+
+    def forget_sent(self, mark: tuple[int, int]) -> None:
+        """A poll that began at `mark` came back: what was sent before it is in its state."""
+        self.sent_tokens -= mark[0]
+        self.sent_requests -= mark[1]
+
+    def observe(self, state: NodeState, now: float) -> None:
+        self.state, self.last_ok = state, now
+
+    def prefill_load(self) -> int:
+        """Queued prefill tokens, as last seen plus sent since."""
+        queued = self.state.queued_prefill_tokens if self.state is not None else 0
+        return queued + self.sent_tokens
+
+    def decode_room(self) -> tuple[bool, int]:
+        """(has a free sequence slot, estimated free blocks): larger is roomier."""
+        if self.state is None:
+            return True, 0
+        cap = self.state.capacity
+        block_size = cap.block_size if cap is not None and cap.block_size > 0 else 16
+        free = self.state.free_blocks() - -(-self.sent_tokens // block_size)
+        if cap is None or cap.max_num_seqs <= 0:
+            return True, free
+        slots = cap.max_num_seqs - cap.running - cap.reserved - self.sent_requests
+        return slots > 0, free
+
+    def busy(self) -> int:
+        """Requests waiting or running on the node (colocated routing)."""
+        requests = self.state.requests if self.state is not None else {}
+        return sum(requests.get(k, 0) for k in ("waiting", "running")) + self.sent_requests
+
+    def describe(self) -> dict[str, Any]:
+        """The node's row in `GET /admin/nodes`."""
+        state = self.state
+        return {
+            "url": self.url,
+            "role": self.role.value,
+            "healthy": self.healthy,
+            "status": self.status.value,
+            "error": self.error,
+            "model_fingerprint": self.fingerprint,
+            "engine_id": state.engine_id if state is not None else None,
+            "seconds_since_seen": (
+                round(time.monotonic() - self.last_ok, 3) if self.last_ok is not None else None
+            ),
+            "blocks": dict(state.blocks) if state is not None else None,
+            "requests": dict(state.requests) if state is not None else None,
+            "queued_prefill_tokens": state.queued_prefill_tokens if state is not None else None,
+            "inflight": self.inflight,
+        }

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Start a decode node (`pdserve decode`), configured from the environment; any arguments
+# are passed on as extra flags (they win over the environment).
+#
+#   PDSERVE_HOST          address to bind AND to advertise (default 127.0.0.1); on a multi-host
+#                         setup use this host's address as the proxy and prefill nodes reach it
+#   PDSERVE_PORT          HTTP port (default 8200)
+#   PDSERVE_KV_PORT       KV side-channel port (default: any free port)
+#   PDSERVE_KV_BACKEND    nixl | ucxx | zmq (default: the node's, nixl)
+#   PDSERVE_MODEL         local HF model directory (default: the built-in model)
+#   PDSERVE_NUM_BLOCKS    KV blocks            PDSERVE_BLOCK_SIZE   tokens per block
+#   PDSERVE_DTYPE         auto | float32 | bfloat16
+#   PDSERVE_MAX_NUM_SEQS  PDSERVE_MAX_NUM_BATCHED_TOKENS  PDSERVE_MAX_MODEL_LEN
+#   PDSERVE_THREADS       torch CPU threads    PDSERVE_ENGINE_ID    PDSERVE_LOG_LEVEL
+#   PDSERVE_BIN           the command (default: pdserve; e.g. "python -m common.cli")
+#   PDSERVE_DRY_RUN=1     print the command instead of running it
+set -euo pipefail
+
+args=(decode --host "${PDSERVE_HOST:-127.0.0.1}" --port "${PDSERVE_PORT:-8200}")
+opt() { if [[ -n "${!1:-}" ]]; then args+=("$2" "${!1}"); fi; }
+opt PDSERVE_KV_PORT --kv-port
+opt PDSERVE_KV_BACKEND --kv-backend
+opt PDSERVE_MODEL --model
+opt PDSERVE_NUM_BLOCKS --num-blocks
+opt PDSERVE_BLOCK_SIZE --block-size
+opt PDSERVE_DTYPE --dtype
+opt PDSERVE_MAX_NUM_SEQS --max-num-seqs
+opt PDSERVE_MAX_NUM_BATCHED_TOKENS --max-num-batched-tokens
+opt PDSERVE_MAX_MODEL_LEN --max-model-len
+opt PDSERVE_THREADS --threads
+opt PDSERVE_ENGINE_ID --engine-id
+opt PDSERVE_LOG_LEVEL --log-level
+
+read -ra bin <<< "${PDSERVE_BIN:-pdserve}"
+if [[ -n "${PDSERVE_DRY_RUN:-}" ]]; then
+    printf '%q ' "${bin[@]}" "${args[@]}" "$@"; echo
+    exit 0
+fi
+exec "${bin[@]}" "${args[@]}" "$@"
