@@ -20,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import shlex
@@ -59,6 +60,7 @@ class UpConfig:
     log_dir: str | None = None  # default: a new temporary directory
     lease_s: float = 30.0
     interstage_capacity: int = 256
+    demo_prompt: str | None = None  # stream one chat completion through the proxy at start
 
     def __post_init__(self) -> None:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
@@ -253,6 +255,8 @@ async def up(cfg: UpConfig) -> int:
             return 0
         proxy = startup.result()
         _print_banner(cfg, proxy, nodes, log_dir)
+        if cfg.demo_prompt:
+            await _demo(proxy.url, proxy.parts.model_name, cfg.demo_prompt)
         await stopped
         print("pdserve up: stopping", file=sys.stderr, flush=True)
         return 0
@@ -288,6 +292,34 @@ def _print_banner(
     print("\n".join(lines), flush=True)
 
 
+async def _demo(url: str, model: str, prompt: str) -> None:
+    """Stream one chat completion through the proxy's OpenAI API, printing tokens as they come."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+    }
+    print(f"\ndemo: POST {url}/v1/chat/completions  (stream, user: {prompt!r})\n", flush=True)
+    timeout = aiohttp.ClientTimeout(total=120, sock_connect=5)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: ") :])
+                    for choice in event.get("choices", []):
+                        print(choice.get("delta", {}).get("content") or "", end="", flush=True)
+                    if "error" in event:
+                        print(f"\n[error] {event['error'].get('message')}", flush=True)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        print(f"demo request failed: {e}", file=sys.stderr, flush=True)
+    print("\n\n(still serving; Ctrl-C stops everything)", flush=True)
+
+
 # -- command line ------------------------------------------------------------------------------
 
 
@@ -317,6 +349,12 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--log-dir", default=None, help="node logs (default: a new temp dir)")
     p.add_argument("--lease-s", type=float, default=30.0)
     p.add_argument("--interstage-capacity", type=int, default=256)
+    p.add_argument(
+        "--demo",
+        metavar="PROMPT",
+        default=None,
+        help="once serving, stream one chat completion for PROMPT through the proxy",
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_up)
 
@@ -358,6 +396,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout_s,
         stop_grace_s=args.stop_grace_s,
         log_dir=args.log_dir,
+        demo_prompt=args.demo,
         lease_s=args.lease_s,
         interstage_capacity=args.interstage_capacity,
     )
