@@ -15,13 +15,13 @@ import logging
 from aiohttp import web
 
 from common.errors import SERVER_ERROR, ApiError, invalid_request
-from common.node import Node, ndjson_response, read_message, stream_outputs, write_error_line
+from common.node import ndjson_response, read_message, stream_outputs, write_error_line
 from common.node_messages import DecodeRequest
+from common.transfer_node import TransferNode
 from decode_node.incoming import Incoming, InState
 from kv_transfer import (
     HandshakeError,
     KVReceived,
-    KVTransferAgent,
     PeerLost,
     Quiescent,
     TransferEvent,
@@ -32,31 +32,15 @@ from kv_transfer import (
 log = logging.getLogger(__name__)
 
 
-class DecodeNode(Node):
+class DecodeNode(TransferNode):
     role = "decode"
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.incoming: dict[str, Incoming] = {}
-        self.agent: KVTransferAgent | None = None
         self._peers: dict[str, str] = {}  # side-channel address -> peer id
 
-    async def start_role(self) -> None:
-        assert self.engine is not None and self.fingerprint is not None
-        self.agent = await asyncio.to_thread(
-            KVTransferAgent,
-            self.config.transfer,
-            self.engine.kv_cache,
-            self.engine_id,
-            self.fingerprint,
-        )
-        self.spawn(self._pump_events(), "kv-events")
-
-    async def stop_role(self) -> None:
-        if self.agent is not None:
-            await asyncio.to_thread(self.agent.close)  # every transfer ends, quiescent
-            for event in self.agent.poll_events():
-                self._on_event(event)
+    def release_all(self) -> None:
         for entry in list(self.incoming.values()):
             self._free(entry)
 
@@ -186,16 +170,7 @@ class DecodeNode(Node):
 
     # -- KV-transfer events --------------------------------------------------------
 
-    async def _pump_events(self) -> None:
-        assert self.agent is not None
-        while True:
-            for event in await self.agent.next_events():
-                try:
-                    self._on_event(event)
-                except Exception:
-                    log.exception("handling %r", event)
-
-    def _on_event(self, event: TransferEvent) -> None:
+    def on_transfer_event(self, event: TransferEvent) -> None:
         match event:
             case KVReceived(request_id):
                 self._terminal(request_id, True, "")

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from common.errors import ApiError
 from common.messages import KVAborted, TransferRequest
-from common.node import Node, json_message, read_message
+from common.node import json_message, read_message
 from common.node_messages import (
     KVHandle,
     LeaseExtend,
@@ -28,8 +28,8 @@ from common.node_messages import (
 )
 from common.scheduler import StepOutput
 from common.sequence import FinishReason
+from common.transfer_node import TransferNode
 from kv_transfer import (
-    KVTransferAgent,
     MessageReceived,
     Quiescent,
     TransferDone,
@@ -43,33 +43,14 @@ from prefill_node.held import HeldKV, HeldState, HeldTable
 log = logging.getLogger(__name__)
 
 
-class PrefillNode(Node):
+class PrefillNode(TransferNode):
     role = "prefill"
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.held = HeldTable()
-        self.agent: KVTransferAgent | None = None
 
-    async def start_role(self) -> None:
-        assert self.engine is not None and self.fingerprint is not None
-        self.agent = await asyncio.to_thread(
-            KVTransferAgent,
-            self.config.transfer,
-            self.engine.kv_cache,
-            self.engine_id,
-            self.fingerprint,
-        )
-        self.spawn(self._pump_events(), "kv-events")
-        self.spawn(self._reap_leases(), "lease-reaper")
-
-    async def stop_role(self) -> None:
-        if self.agent is not None:
-            # Unfinished transfers end (quiescent) inside close(); then nothing reads
-            # the blocks and every held set can be freed.
-            await asyncio.to_thread(self.agent.close)
-            for event in self.agent.poll_events():
-                self._on_event(event)
+    def release_all(self) -> None:
         for entry in self.held.entries():
             self._release(entry.request_id, "shutdown")
 
@@ -182,16 +163,7 @@ class PrefillNode(Node):
 
     # -- KV-transfer events --------------------------------------------------------
 
-    async def _pump_events(self) -> None:
-        assert self.agent is not None
-        while True:
-            for event in await self.agent.next_events():
-                try:
-                    self._on_event(event)
-                except Exception:
-                    log.exception("handling %r", event)
-
-    def _on_event(self, event: TransferEvent) -> None:
+    def on_transfer_event(self, event: TransferEvent) -> None:
         match event:
             case MessageReceived(peer_id, TransferRequest() as req):
                 self._on_transfer_request(peer_id, req)
