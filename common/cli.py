@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_parser(sub)  # proxy.settings
     add_up_parser(sub)  # common.launcher
 
+    sub.add_parser("bench-transfer", help="KV-transfer latency and bandwidth per backend")
+
     t = sub.add_parser("make-tiny-model", help="write the built-in default model to DIR")
     t.add_argument("dir")
     t.set_defaults(func=cmd_make_tiny_model)
@@ -135,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench-transfer"]:  # its own parser (kv_transfer.bench), --help included
+        from kv_transfer.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -1,0 +1,132 @@
+"""The interface every transport implements, and the events it reports to the agent.
+
+A backend moves the bytes of whole blocks from the local cache into a peer's
+cache and tells the agent when a write completed or failed, and when a peer's
+write into our cache landed. It owns no request lifetimes: the agent keeps the
+transfer records and their states. All methods are called from the agent's
+progress thread only, so implementations need no locks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import zmq
+
+from common.messages import Message, PeerInfo
+from kv_transfer.config import TransferConfig
+from kv_transfer.layout import CacheLayout
+from kv_transfer.state import OutgoingTransfer
+
+
+@dataclass(frozen=True, slots=True)
+class WriteCompleted:
+    """An outgoing write landed in the peer's memory; its source is no longer read."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFailed:
+    """An outgoing write ended without completing and is locally quiescent."""
+
+    request_id: str
+    detail: str
+    peer_lost: bool = False  # the failure says the peer is gone (disconnect)
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    """A peer's write for request_id finished landing in our cache (the notification)."""
+
+    peer_id: str
+    request_id: str
+
+
+BackendEvent = WriteCompleted | WriteFailed | Landed
+
+# Sends a message to a connected peer over the side channel; False if it could not.
+SendFn = Callable[[str, Message], bool]
+
+
+class Backend(ABC):
+    """One transport. Constructed once per agent with the cache it serves."""
+
+    name: ClassVar[str]
+    # post() finishes a small write in the call and touches no socket the progress
+    # thread polls, so an owner's thread may call it under the agent's state lock.
+    posts_inline: ClassVar[bool] = False
+
+    def __init__(
+        self, agent_name: str, layout: CacheLayout, config: TransferConfig, send: SendFn
+    ) -> None:
+        self.agent_name = agent_name
+        self.layout = layout
+        self.config = config
+        self.send = send
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this backend (sent in the handshake)."""
+
+    @abstractmethod
+    def add_peer(self, info: PeerInfo, send_channel: int, recv_channel: int) -> None:
+        """Make `info.agent_name` writable and accept its writes.
+
+        send_channel: the id the peer assigned to our writes into it;
+        recv_channel: the id we assigned to its writes into us. Raises BackendError.
+        """
+
+    @abstractmethod
+    def remove_peer(self, peer_id: str) -> list[BackendEvent]:
+        """Forget a peer (lost or closing).
+
+        On return no write of that peer lands in our cache any more. Returns a
+        WriteFailed for each posted outgoing write that is quiescent now; any other
+        is reported by a later progress() once it is (completed or failed).
+        """
+
+    @abstractmethod
+    def post(self, xfer: OutgoingTransfer) -> BackendEvent | None:
+        """Start writing xfer.src_ids into the peer's xfer.dst_ids (both int32 arrays).
+
+        The peer's backend reports Landed(xfer.request_id) only after every byte landed.
+        Returns an event if the write already ended, else None (reported by progress()).
+        Raises BackendError if it could not be started (nothing was written).
+        """
+
+    @abstractmethod
+    def cancel(self, xfer: OutgoingTransfer) -> bool:
+        """Try to stop a posted write. True: stopped, nothing more lands and progress()
+        reports nothing for it; False: it will run to its end and be reported."""
+
+    @abstractmethod
+    def progress(self) -> list[BackendEvent]:
+        """Advance the transport; return what completed, failed or landed since."""
+
+    @abstractmethod
+    def busy(self) -> bool:
+        """True while progress() must be called promptly (transfers in flight)."""
+
+    def polls_for_landing(self) -> bool:
+        """True if incoming writes are only seen by polling (no fd wakes us for them)."""
+        return False
+
+    def register(self, poller: zmq.Poller) -> None:  # noqa: B027 - optional hook
+        """Register sockets or fds whose readiness should wake the progress thread."""
+
+    def on_ready(self, ready: dict) -> list[BackendEvent]:
+        """Handle the registered sockets that poll() reported readable."""
+        return []
+
+    def on_message(self, peer_id: str, msg: Message) -> list[BackendEvent] | None:
+        """A side-channel message meant for the backend (BlockWrite, KVDone ack);
+        None if it is not one of the backend's."""
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every resource; called once, after all peers were removed."""

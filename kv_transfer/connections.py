@@ -1,0 +1,268 @@
+"""Peers of one agent: handshakes, heartbeats, loss detection. Progress thread only.
+
+Handshake (A connects to B; both ends check everything):
+
+    A: open outbox to B ──Handshake{A's PeerInfo}──> B's ROUTER
+    B: fingerprint, backend and layout must match, else HandshakeReply{accepted=false,
+       error, B's info}; if they do: add A to the backend, open an outbox to A,
+       reply HandshakeReply{accepted=true, B's info} (through the ROUTER)
+    A: checks B's info the same way, adds B to the backend, connect() returns B's id
+
+A peer is lost when its outbox's TCP connection drops (a killed process), when
+nothing arrived from it for peer_timeout_s (heartbeats every
+heartbeat_interval_s), or when the backend reports it disconnected.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from common.fingerprint import FingerprintMismatch
+from common.messages import Handshake, HandshakeReply, Heartbeat, PeerInfo, Reject
+from kv_transfer.backends.base import Backend
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import BackendError, HandshakeError
+from kv_transfer.events import PeerConnected, PeerLost, TransferEvent
+from kv_transfer.shared import Registry
+from kv_transfer.side_channel import SideChannel
+from kv_transfer.transfers import TransferBook
+
+log = logging.getLogger(__name__)
+
+_MAX_CHANNEL = 2**20
+_CLOSING = "agent closed"
+
+
+@dataclass
+class Peer:
+    info: PeerInfo
+    recv_channel: int  # the id we assigned to its writes into us
+    last_seen: float
+
+
+@dataclass
+class PendingConnect:
+    address: str
+    channel: int
+    deadline: float
+    futures: list[Future] = field(default_factory=list)
+
+
+class Connections:
+    def __init__(
+        self,
+        me: PeerInfo,
+        side: SideChannel,
+        backend: Backend,
+        book: TransferBook,
+        registry: Registry,
+        emit: Callable[[TransferEvent], None],
+        config: TransferConfig,
+    ) -> None:
+        self.me, self.side, self.backend, self.book = me, side, backend, book
+        self.registry, self.emit, self.config = registry, emit, config
+        self.peers: dict[str, Peer] = {}
+        self._pending: dict[str, PendingConnect] = {}  # outbox key -> attempt
+        self._next_channel = 1
+        self._next_heartbeat = 0.0
+        self._lost_ids: OrderedDict[str, None] = OrderedDict()  # bounded memory of lost peers
+
+    # -- outbound ----------------------------------------------------------------------------
+
+    def connect(self, address: str, future: Future) -> None:
+        for peer_id, peer in self.peers.items():
+            if peer.info.side_channel == address:
+                future.set_result(peer_id)
+                return
+        for attempt in self._pending.values():
+            if attempt.address == address:
+                attempt.futures.append(future)
+                return
+        key = f"pending:{address}"
+        attempt = PendingConnect(
+            address, self._channel(), time.monotonic() + self.config.handshake_timeout_s, [future]
+        )
+        self._pending[key] = attempt
+        self.side.open(key, address)
+        self.side.send(
+            key, Handshake(peer=self.me.model_copy(update={"channel_id": attempt.channel}))
+        )
+
+    def on_reply(self, key: str, reply: HandshakeReply) -> None:
+        attempt = self._pending.pop(key, None)
+        if attempt is None:
+            log.debug("handshake reply on %s for no pending connect", key)
+            return
+        try:
+            if reply.peer is None:
+                raise HandshakeError(f"{attempt.address} refused the handshake: {reply.error}")
+            self._check(reply.peer)  # our own view of any mismatch comes first
+            if not reply.accepted:
+                raise HandshakeError(f"{attempt.address} refused the handshake: {reply.error}")
+            self._add(reply.peer, attempt.channel, key)
+        except (HandshakeError, BackendError) as e:
+            self.side.close(key)
+            _fail(attempt.futures, HandshakeError(str(e)))
+            return
+        _resolve(attempt.futures, reply.peer.agent_name)
+
+    # -- inbound -----------------------------------------------------------------------------
+
+    def on_handshake(self, routing_id: str, hs: Handshake) -> None:
+        info = hs.peer
+        if info.agent_name in self.peers:  # a repeated handshake: answer it again
+            self._accept(routing_id, self.peers[info.agent_name].recv_channel)
+            return
+        crossing = self._crossing(info.side_channel)  # both sides connecting at once
+        try:
+            if routing_id != info.agent_name:
+                raise HandshakeError(f"identity {routing_id!r} is not agent {info.agent_name!r}")
+            self._check(info)
+        except HandshakeError as e:
+            log.warning("refused handshake from %s: %s", routing_id, e)
+            self.side.reply(routing_id, HandshakeReply(accepted=False, error=str(e), peer=self.me))
+            return
+        if crossing is None:
+            key, channel = f"inbound:{info.agent_name}", self._channel()
+            self.side.open(key, info.side_channel)
+        else:
+            key, channel = crossing, self._pending[crossing].channel
+        try:
+            self._add(info, channel, key)
+        except BackendError as e:
+            self.side.close(key)
+            self.side.reply(routing_id, HandshakeReply(accepted=False, error=str(e), peer=self.me))
+            return
+        self._accept(routing_id, channel)
+        if crossing is not None:
+            _resolve(self._pending.pop(crossing).futures, info.agent_name)
+
+    def seen(self, peer_id: str) -> bool:
+        """Record that peer_id spoke; False if it is not a connected peer."""
+        peer = self.peers.get(peer_id)
+        if peer is None:
+            return False
+        peer.last_seen = time.monotonic()
+        return True
+
+    def on_disconnected(self, key: str) -> None:
+        if key in self.peers:
+            self.lose(key, "side-channel connection dropped")
+        elif key in self._pending:
+            attempt = self._pending.pop(key)
+            self.side.close(key)
+            _fail(attempt.futures, HandshakeError(f"{attempt.address} dropped the connection"))
+
+    def on_reject(self, key: str, msg: Reject) -> None:
+        log.warning("peer %s rejected a message (%s): %s", key, msg.code, msg.reason)
+        if key in self.peers and msg.code == "peer_lost":
+            self.lose(key, f"the peer declared us lost: {msg.reason}")
+
+    def was_lost(self, peer_id: str) -> bool:
+        return peer_id in self._lost_ids
+
+    def connecting(self) -> bool:
+        return bool(self._pending)
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    def housekeeping(self, now: float) -> None:
+        for key, attempt in list(self._pending.items()):
+            if now > attempt.deadline:
+                del self._pending[key]
+                self.side.close(key)
+                _fail(
+                    attempt.futures, HandshakeError(f"handshake with {attempt.address} timed out")
+                )
+        for peer_id, peer in list(self.peers.items()):
+            silent = now - peer.last_seen
+            if silent > self.config.peer_timeout_s:
+                self.lose(peer_id, f"no message for {silent:.1f}s")
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval_s
+            beat = Heartbeat(agent_name=self.me.agent_name, sent_at=time.time())
+            for peer_id in self.peers:
+                self.side.send(peer_id, beat)
+
+    def next_deadline(self) -> float:
+        return self._next_heartbeat
+
+    def lose(self, peer_id: str, reason: str) -> None:
+        if self.peers.pop(peer_id, None) is None:
+            return
+        level = logging.INFO if reason == _CLOSING else logging.WARNING
+        log.log(level, "peer %s lost: %s", peer_id, reason)
+        self._lost_ids[peer_id] = None
+        if len(self._lost_ids) > 10_000:
+            self._lost_ids.popitem(last=False)
+        self.registry.remove_peer(peer_id)
+        self.side.close(peer_id)
+        self.book.fail_peer(peer_id, reason)
+        self.emit(PeerLost(peer_id, reason))
+
+    def close(self) -> None:
+        for key, attempt in list(self._pending.items()):
+            self.side.close(key)
+            _fail(attempt.futures, HandshakeError("agent closed"))
+        self._pending.clear()
+        for peer_id in list(self.peers):
+            self.lose(peer_id, _CLOSING)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check(self, info: PeerInfo) -> None:
+        try:
+            self.me.fingerprint.check_compatible(info.fingerprint)
+        except FingerprintMismatch as e:
+            raise HandshakeError(f"peer {info.agent_name}: {e}") from None
+        if info.backend != self.me.backend:
+            raise HandshakeError(
+                f"peer {info.agent_name}: backend differs (ours {self.me.backend!r}, "
+                f"theirs {info.backend!r})"
+            )
+        if info.region.block_bytes != self.me.region.block_bytes:
+            raise HandshakeError(
+                f"peer {info.agent_name}: block_bytes differs (ours {self.me.region.block_bytes}, "
+                f"theirs {info.region.block_bytes})"
+            )
+
+    def _add(self, info: PeerInfo, recv_channel: int, outbox_key: str) -> None:
+        self.backend.add_peer(info, send_channel=info.channel_id, recv_channel=recv_channel)
+        self._lost_ids.pop(info.agent_name, None)
+        self.side.rekey(outbox_key, info.agent_name)
+        self.peers[info.agent_name] = Peer(info, recv_channel, time.monotonic())
+        self.registry.add_peer(info.agent_name, info.region, info.side_channel)
+        self.emit(PeerConnected(info.agent_name, info.engine_id))
+
+    def _crossing(self, address: str) -> str | None:
+        """The key of our own pending connect to `address`, if any."""
+        for key, attempt in self._pending.items():
+            if attempt.address == address:
+                return key
+        return None
+
+    def _accept(self, routing_id: str, channel: int) -> None:
+        me = self.me.model_copy(update={"channel_id": channel})
+        self.side.reply(routing_id, HandshakeReply(accepted=True, peer=me))
+
+    def _channel(self) -> int:
+        channel = self._next_channel
+        self._next_channel = self._next_channel % (_MAX_CHANNEL - 1) + 1
+        return channel
+
+
+def _resolve(futures: list[Future], value: str) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_result(value)
+
+
+def _fail(futures: list[Future], error: Exception) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_exception(error)

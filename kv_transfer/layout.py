@@ -1,0 +1,87 @@
+"""The registered KV cache as the transfer layer sees it: an array of equal byte blocks.
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous
+
+    base_addr
+    |<- block 0 ->|<- block 1 ->| ... |<- block num_blocks-1 ->|
+    each block = every layer's K and V for block_size tokens = block_bytes bytes
+
+So a block is one contiguous region, one transfer descriptor, and a write's
+descriptor count never depends on the number of layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from common.messages import KVRegion
+from kv_transfer.errors import TransferRejected
+
+
+class CacheLayout:
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+            raise ValueError(
+                "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
+                f"head_dim], got shape {tuple(kv_cache.shape)}"
+            )
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous (one region per block)")
+        if kv_cache.device.type != "cpu":
+            raise ValueError(f"only host (cpu) KV caches are supported, got {kv_cache.device}")
+        self.tensor = kv_cache
+        self.num_blocks = int(kv_cache.shape[0])
+        self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        self.base_addr = kv_cache.data_ptr()
+        # blocks: [num_blocks, block_bytes] uint8 view of the same memory
+        self.blocks = kv_cache.view(torch.uint8).view(self.num_blocks, self.block_bytes)
+
+    @property
+    def region(self) -> KVRegion:
+        return KVRegion(
+            base_addr=self.base_addr, num_blocks=self.num_blocks, block_bytes=self.block_bytes
+        )
+
+    def block_addrs(self, region: KVRegion | None = None) -> np.ndarray:
+        """[num_blocks, 3] uint64 rows (addr, len, device) — one descriptor per block."""
+        r = region or self.region
+        rows = np.empty((r.num_blocks, 3), dtype=np.uint64)
+        rows[:, 0] = r.base_addr + np.arange(r.num_blocks, dtype=np.uint64) * r.block_bytes
+        rows[:, 1] = r.block_bytes
+        rows[:, 2] = r.device_id
+        return rows
+
+
+_SMALL = 32  # below this many ids, plain Python checks beat numpy's per-call overhead
+
+
+def check_block_ids(
+    block_ids: Sequence[int] | np.ndarray, num_blocks: int, what: str
+) -> np.ndarray:
+    """Validate ids (in range, no duplicates, non-empty) -> int32 array; raise TransferRejected."""
+    if isinstance(block_ids, list) and 0 < len(block_ids) <= _SMALL:
+        return _check_small(block_ids, num_blocks, what)
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise TransferRejected(f"{what} must be a non-empty list of block ids")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TransferRejected(f"{what} must be integers, got {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= num_blocks:
+        raise TransferRejected(f"{what} must be in [0, {num_blocks}), got {ids.min()}..{ids.max()}")
+    if np.unique(ids).size != ids.size:
+        raise TransferRejected(f"{what} contains duplicates")
+    return ids.astype(np.int32, copy=False)
+
+
+def _check_small(block_ids: list[int], num_blocks: int, what: str) -> np.ndarray:
+    if not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in block_ids):
+        raise TransferRejected(f"{what} must be integers")
+    lo, hi = min(block_ids), max(block_ids)
+    if lo < 0 or hi >= num_blocks:
+        raise TransferRejected(f"{what} must be in [0, {num_blocks}), got {lo}..{hi}")
+    if len(set(block_ids)) != len(block_ids):
+        raise TransferRejected(f"{what} contains duplicates")
+    return np.array(block_ids, dtype=np.int32)

@@ -1,0 +1,332 @@
+"""The progress thread: the only thread that touches sockets, the backend and transfer records.
+
+One iteration:  poll(side channel, backend sockets, command wakeup)
+                -> run queued owner commands
+                -> dispatch side-channel messages
+                -> backend.progress()
+                -> heartbeats, timeouts
+
+How long poll() may block is decided each time: not at all while the backend
+has work in flight (then it yields the GIL, or sleeps busy_poll_interval_s),
+briefly while a nixl notification is expected, and otherwise until the next
+heartbeat (or the idle poll interval, for backends whose completions have no fd).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import zmq
+
+from common.messages import (
+    Abort,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    KVAborted,
+    Message,
+    MessageError,
+    Reject,
+    decode,
+)
+from kv_transfer.connections import Connections
+from kv_transfer.errors import AgentClosed
+from kv_transfer.events import MessageReceived
+from kv_transfer.shared import Wakeup
+from kv_transfer.side_channel import Disconnected, Inbound, Outbox, SideChannel
+from kv_transfer.state import IncomingTransfer, OutgoingTransfer
+from kv_transfer.transfers import TransferBook
+
+log = logging.getLogger(__name__)
+
+_HOT_S = 0.05  # after activity, poll without blocking this long (nixl notifications)
+_MAX_EARLY = 1024
+_BUSY_SLICE_S = 0.0005
+_INLINE_WAIT_S = 0.001  # an inline write waits at most this long for a step to end
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectCmd:
+    address: str
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class WriteCmd:
+    xfer: OutgoingTransfer
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectCmd:
+    incoming: IncomingTransfer
+    request: Message
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCmd:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendCmd:
+    peer_id: str
+    message: Message
+
+
+Command = ConnectCmd | WriteCmd | ExpectCmd | AbortCmd | SendCmd
+
+
+class ProgressLoop:
+    def __init__(
+        self,
+        poller: zmq.Poller,
+        side: SideChannel,
+        outbox: Outbox,
+        conns: Connections,
+        book: TransferBook,
+        emit: Callable[[MessageReceived], None],
+    ) -> None:
+        self.poller, self.side, self.outbox = poller, side, outbox
+        # Held by the progress thread for each step (not while it waits in poll), and by
+        # an owner's thread for an inline write: all the state below is behind it.
+        self.state_lock = threading.Lock()
+        self.conns, self.book, self.emit = conns, book, emit
+        self.backend = book.backend
+        self.config = conns.config
+        self.commands: deque[Command] = deque()
+        self.wake = Wakeup()
+        poller.register(self.wake.fd, zmq.POLLIN)
+        self.stopping = False
+        self.rejected = 0  # side-channel messages refused (malformed, unknown, unexpected)
+        self._hot_until = 0.0
+        self._early: deque[tuple[Inbound, Message]] = deque()  # from not-yet-known peers
+        self._run_cmd: dict[type, Callable] = {
+            ConnectCmd: lambda c: self.conns.connect(c.address, c.future),
+            WriteCmd: lambda c: self.book.submit(c.xfer, c.xfer.peer_id in self.conns.peers),
+            ExpectCmd: lambda c: self.book.expect(c.incoming, c.request),
+            AbortCmd: lambda c: self.book.abort(c.request_id),
+            SendCmd: self._send_cmd,
+        }
+        self._on_msg: dict[type, Callable[[str, Message], None]] = {
+            Heartbeat: lambda peer, m: None,
+            Abort: self._on_abort,
+            KVAborted: self._on_kv_aborted,
+            Reject: lambda peer, m: self.conns.on_reject(peer, m),
+        }
+
+    def submit(self, cmd: Command) -> None:
+        """Any thread: queue a command and wake the loop."""
+        self.commands.append(cmd)
+        self.wake.set()
+
+    def try_inline(self, xfer: OutgoingTransfer) -> bool:
+        """Owner's thread: post a small write now if the progress thread is idle and
+        nothing is queued ahead of it; False leaves it to the command queue."""
+        if not self.backend.posts_inline or not self.state_lock.acquire(timeout=_INLINE_WAIT_S):
+            return False
+        try:
+            ready = not (self.stopping or self.commands) and xfer.peer_id in self.conns.peers
+            if not (ready and self.book.nothing_queued_for(xfer.peer_id)):
+                return False
+            self.book.submit(xfer, peer_alive=True)
+            self.book.pump()
+            self.outbox.flush()  # the receiver's KVDone, without waking the progress thread
+            in_flight = self.backend.busy()
+        finally:
+            self.state_lock.release()
+        if in_flight:
+            self.wake.set()  # progress() must poll it to completion
+        return True
+
+    def run(self) -> None:
+        while not self.stopping:
+            ready = dict(self.poller.poll(self._timeout_ms()))
+            with self.state_lock:
+                self._step(ready)
+
+    def _step(self, ready: dict) -> None:
+        """One pass over everything that may have happened; the state lock is held."""
+        if self.wake.fd in ready:
+            self.wake.clear()
+        activity = self._run_commands()
+        self.book.pump()
+        inbound = self.side.drain(ready)
+        for item in inbound:
+            self._on_side_guarded(item)
+        if self._early:
+            self._replay_early()
+        backend_events = self.backend.on_ready(ready) + self._progress_backend()
+        self.book.on_backend(backend_events)
+        for peer_id in self.book.take_suspects():
+            self.conns.lose(peer_id, "the transport reported it disconnected")
+        if activity or inbound or backend_events:
+            self._hot_until = time.monotonic() + _HOT_S
+        self.conns.housekeeping(time.monotonic())
+        self.book.expire_stragglers(self.config.close_timeout_s)
+        self.outbox.flush()
+
+    def _progress_backend(self) -> list:
+        """Poll the backend; while it has work in flight, keep polling it (up to
+        _BUSY_SLICE_S) before looking at sockets again, as a bare polling loop would."""
+        events = self.backend.progress()
+        if events or not self.backend.busy():
+            return events
+        if self.config.busy_poll_interval_s:
+            time.sleep(self.config.busy_poll_interval_s)
+            return self.backend.progress()
+        until = time.perf_counter() + _BUSY_SLICE_S
+        while not events and self.backend.busy() and time.perf_counter() < until:
+            events = self.backend.progress()
+        return events
+
+    def _timeout_ms(self) -> int:
+        if self.commands or self.backend.busy():
+            return 0
+        now = time.monotonic()
+        expecting = self.book.expecting() and self.backend.polls_for_landing()
+        if expecting and now < self._hot_until:
+            return 0
+        wait = max(0.0, self.conns.next_deadline() - now)
+        short = expecting or self.conns.connecting()  # outbox replies are not polled
+        wait = min(wait, 0.001 if short else self.config.idle_poll_interval_s)
+        return max(1, int(wait * 1000))
+
+    def _run_commands(self) -> bool:
+        ran = False
+        while self.commands:
+            cmd = self.commands.popleft()
+            self._run_cmd[type(cmd)](cmd)
+            ran = True
+        return ran
+
+    def _send_cmd(self, cmd: SendCmd) -> None:
+        if not self.outbox.send(cmd.peer_id, cmd.message):
+            log.warning("message %s to %s not sent (peer gone)", cmd.message.TYPE, cmd.peer_id)
+
+    # -- side channel ------------------------------------------------------------------------
+
+    def _on_side_guarded(self, item: Inbound | Disconnected) -> None:
+        """A peer's message must never take the progress thread down with it."""
+        try:
+            self._on_side(item)
+        except Exception:
+            self.rejected += 1
+            log.exception(
+                "side-channel message from %s failed; dropped",
+                getattr(item, "key", None) or item.routing_id,
+            )
+
+    def _on_side(self, item: Inbound | Disconnected) -> None:
+        if isinstance(item, Disconnected):
+            self.conns.on_disconnected(item.key)
+            return
+        try:
+            msg = decode(item.payload, self.config.max_message_bytes)
+        except MessageError as e:
+            self._reject(item, str(e))
+            return
+        if item.via_outbox:
+            self._on_outbox(item.routing_id, msg)
+        elif isinstance(msg, Handshake):
+            self.conns.on_handshake(item.routing_id, msg)
+        elif self.conns.seen(item.routing_id):
+            self._on_peer_message(item.routing_id, msg)
+        elif self.conns.was_lost(item.routing_id):
+            self._reject(item, "this node declared you lost; handshake again", "peer_lost")
+        elif self.conns.connecting() and len(self._early) < _MAX_EARLY:
+            # A peer that just accepted our handshake may speak before its reply is read.
+            self._early.append((item, msg))
+        else:
+            self._reject(item, f"unknown peer {item.routing_id!r}: handshake first", "unknown_peer")
+
+    def _replay_early(self) -> None:
+        """Deliver stashed messages whose sender is now a peer; refuse the rest once
+        no handshake is pending any more."""
+        keep: deque[tuple[Inbound, Message]] = deque()
+        for item, msg in self._early:
+            if self.conns.seen(item.routing_id):
+                self._on_peer_message(item.routing_id, msg)
+            elif self.conns.connecting():
+                keep.append((item, msg))
+            else:
+                self._reject(
+                    item, f"unknown peer {item.routing_id!r}: handshake first", "unknown_peer"
+                )
+        self._early = keep
+
+    def _on_outbox(self, key: str, msg: Message) -> None:
+        """Replies that come back on our own outbox: handshake replies and rejects."""
+        if isinstance(msg, HandshakeReply):
+            self.conns.on_reply(key, msg)
+        elif isinstance(msg, Reject):
+            self.conns.on_reject(key, msg)
+        else:
+            log.warning("unexpected %s on outbox %s dropped", msg.TYPE, key)
+
+    def _on_peer_message(self, peer_id: str, msg: Message) -> None:
+        handler = self._on_msg.get(type(msg))
+        if handler is not None:
+            handler(peer_id, msg)
+            return
+        events = self.backend.on_message(peer_id, msg)
+        if events is not None:
+            self.book.on_backend(events)
+        elif isinstance(msg, HandshakeReply):
+            log.warning("unexpected handshake reply from %s dropped", peer_id)
+        else:
+            self.emit(MessageReceived(peer_id, msg))
+
+    def _on_abort(self, peer_id: str, msg: Message) -> None:
+        assert isinstance(msg, Abort)
+        self.book.on_peer_abort(peer_id, msg.request_id)
+        self.emit(MessageReceived(peer_id, msg))
+
+    def _on_kv_aborted(self, peer_id: str, msg: Message) -> None:
+        assert isinstance(msg, KVAborted)
+        events = self.backend.on_message(peer_id, msg)  # the receiver refused our write?
+        if events is not None:
+            self.book.on_backend(events)
+        else:
+            self.book.on_peer_aborted(peer_id, msg)
+
+    def _reject(self, item: Inbound, reason: str, code: str = "malformed") -> None:
+        self.rejected += 1
+        log.warning("rejected side-channel message from %s: %s", item.routing_id, reason)
+        if not item.via_outbox:
+            self.side.reply(item.routing_id, Reject(code=code, reason=reason[:1000]))
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Run on the progress thread after run() returns (or raised)."""
+        with self.state_lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        try:
+            self._run_commands_on_close()
+            self.conns.close()
+            self.book.close()
+        finally:
+            try:
+                self.backend.close()
+            finally:
+                self.side.shutdown()
+                self.poller.unregister(self.wake.fd)  # the agent closes it after join()
+
+    def _run_commands_on_close(self) -> None:
+        """Commands that arrived too late still get their answer."""
+        while self.commands:
+            cmd = self.commands.popleft()
+            if isinstance(cmd, ConnectCmd) and not cmd.future.done():
+                cmd.future.set_exception(AgentClosed("agent closed"))
+            elif isinstance(cmd, WriteCmd):
+                self.book.refuse(cmd.xfer.request_id, cmd.xfer.peer_id, "agent closed")
+            elif isinstance(cmd, ExpectCmd):
+                self.book.refuse(cmd.incoming.request_id, cmd.incoming.peer_id, "agent closed")

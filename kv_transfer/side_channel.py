@@ -1,0 +1,207 @@
+"""The pyzmq side channel: handshakes, TransferRequests, control messages, heartbeats.
+
+One ROUTER socket per agent is its inbox; every peer's messages arrive there,
+with the peer's agent name as routing id. To each peer the agent opens one
+DEALER (its outbox), identity = our agent name, and watches it with a socket
+monitor: a killed peer's TCP connection drops at once, which is how peer loss
+is usually seen before any heartbeat goes missing. Replies to a connection that
+has no outbox yet (handshake replies, rejects) go back through the ROUTER.
+
+All sockets belong to the progress thread (zmq sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from common.messages import Message, encode
+
+log = logging.getLogger(__name__)
+
+_SNDHWM = 100_000  # messages queued per peer before sends would block
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """A frame that arrived: via our ROUTER (routing_id = sender) or a peer outbox."""
+
+    routing_id: str  # ROUTER: the sender's identity; outbox: the key of that outbox
+    payload: bytes
+    via_outbox: bool
+
+
+class Outbox:
+    """Sends requested by the transfer book and the backend, flushed by the progress
+    thread after each step. Code that runs under the state lock on an owner's thread
+    (an inline write) thus never touches a socket, and per-peer order is issue order."""
+
+    def __init__(self, side: SideChannel) -> None:
+        self._side = side
+        self._queue: deque[tuple[str, Message]] = deque()
+
+    def send(self, key: str, msg: Message) -> bool:
+        """Queue msg for peer `key`; False if there is no connection to it."""
+        if not self._side.has(key):
+            return False
+        self._queue.append((key, msg))
+        return True
+
+    def flush(self) -> None:
+        while self._queue:
+            key, msg = self._queue.popleft()
+            self._side.send(key, msg)
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    key: str  # the outbox whose TCP connection dropped
+
+
+class SideChannel:
+    def __init__(self, ctx: zmq.Context, identity: str, host: str, port: int, poller: zmq.Poller):
+        self._ctx = ctx
+        self._identity = identity.encode()
+        self._poller = poller
+        self._router = ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.RCVHWM, _SNDHWM)
+        if port:
+            self._router.bind(f"tcp://{host}:{port}")
+            bound = port
+        else:
+            bound = self._router.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{bound}"
+        poller.register(self._router, zmq.POLLIN)
+        self._outboxes: dict[str, zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, str] = {}  # monitor socket -> outbox key
+        self._outbox_keys: dict[zmq.Socket, str] = {}
+
+    # -- outboxes ----------------------------------------------------------------------------
+
+    def open(self, key: str, address: str) -> None:
+        """Open (connect) an outbox to a peer's ROUTER at `address`."""
+        if key in self._outboxes:
+            raise RuntimeError(f"outbox {key!r} is already open")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self._identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(address)
+        self._outboxes[key] = sock
+        self._outbox_keys[sock] = key
+        self._monitors[mon] = key
+        self._poller.register(mon, zmq.POLLIN)  # outboxes themselves are not polled: see drain
+
+    def rekey(self, old: str, new: str) -> None:
+        sock = self._outboxes.pop(old)
+        self._outboxes[new] = sock
+        self._outbox_keys[sock] = new
+        for mon, key in self._monitors.items():
+            if key == old:
+                self._monitors[mon] = new
+
+    def has(self, key: str) -> bool:
+        return key in self._outboxes
+
+    def close(self, key: str) -> None:
+        sock = self._outboxes.pop(key, None)
+        if sock is None:
+            return
+        del self._outbox_keys[sock]
+        for mon in [m for m, k in self._monitors.items() if k == key]:
+            del self._monitors[mon]
+            self._poller.unregister(mon)
+            sock.disable_monitor()
+            mon.close(linger=0)
+        sock.close(linger=0)
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def send(self, key: str, msg: Message) -> bool:
+        """Queue msg on the outbox `key`; False if there is none or its queue is full."""
+        sock = self._outboxes.get(key)
+        if sock is None:
+            return False
+        try:
+            sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("side channel to %s is full; dropped %s", key, msg.TYPE)
+            return False
+        return True
+
+    def reply(self, routing_id: str, msg: Message) -> bool:
+        """Send through the ROUTER to a connection identified by routing_id."""
+        try:
+            self._router.send_multipart([routing_id.encode(), encode(msg)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as e:
+            log.debug("reply %s to %s not sent: %s", msg.TYPE, routing_id, e)
+            return False
+        return True
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def drain(self, ready: dict[zmq.Socket, int]) -> list[Inbound | Disconnected]:
+        """Everything readable on our sockets, in arrival order per socket; replies on
+        our outboxes first (a handshake reply precedes what its sender sent next).
+
+        Outboxes are read without being polled: a socket in zmq_poll() must not be used
+        by another thread, and an owner's thread may send on outboxes (under the agent's
+        state lock) while the progress thread waits in poll. They only ever carry
+        handshake replies and rejects, so the progress thread keeps its waits short while
+        a handshake is pending."""
+        out: list[Inbound | Disconnected] = []
+        for sock in list(self._outbox_keys):
+            out.extend(self._drain_outbox(sock))
+        if self._router in ready:
+            out.extend(self._drain_router())
+        for mon in [m for m in ready if m in self._monitors]:
+            out.extend(self._drain_monitor(mon))
+        return out
+
+    def _drain_router(self) -> list[Inbound]:
+        out = []
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if len(frames) != 2:
+                log.warning("side channel: dropped a %d-frame message", len(frames))
+                continue
+            ident = frames[0].decode(errors="replace")
+            out.append(Inbound(ident, frames[1], via_outbox=False))
+
+    def _drain_outbox(self, sock: zmq.Socket) -> list[Inbound]:
+        key, out = self._outbox_keys[sock], []
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if len(frames) == 1:
+                out.append(Inbound(key, frames[0], via_outbox=True))
+
+    def _drain_monitor(self, mon: zmq.Socket) -> list[Disconnected]:
+        out = []
+        key = self._monitors[mon]
+        while True:
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                out.append(Disconnected(key))
+
+    def shutdown(self) -> None:
+        for key in list(self._outboxes):
+            self.close(key)
+        self._poller.unregister(self._router)
+        self._router.close(linger=0)

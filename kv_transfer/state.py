@@ -1,0 +1,116 @@
+"""Transfer records and their states. A state changes only through transition().
+
+Sender side, one OutgoingTransfer per write():
+
+    QUEUED ──post──> POSTED ──backend done──> DONE
+      │                │ abort ──> ABORTING ──> DONE (landed anyway) | ABORTED | FAILED
+      │ abort ───────────────────────────────────────────────────────> ABORTED
+      └ peer lost / close ───> FAILED <─── peer lost / backend error ──┘
+
+Receiver side, one IncomingTransfer per request_transfer():
+
+    EXPECTED ──notification──> LANDED
+      │ abort ──> ABORT_REQUESTED ──> LANDED | ABORTED | FAILED
+      ├ KVAborted from the sender ──> ABORTED
+      └ peer lost / close ──> FAILED
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the table forbids: a bug in the layer, never user input."""
+
+
+class OutState(str, Enum):
+    QUEUED = "queued"
+    POSTED = "posted"
+    ABORTING = "aborting"
+    DONE = "done"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class InState(str, Enum):
+    EXPECTED = "expected"
+    ABORT_REQUESTED = "abort_requested"
+    LANDED = "landed"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class AbortOrigin(str, Enum):
+    NONE = "none"
+    LOCAL = "local"  # the owner called abort(): its terminal event is Quiescent
+    PEER = "peer"  # the other side sent Abort
+
+
+_OUT: dict[OutState, frozenset[OutState]] = {
+    OutState.QUEUED: frozenset({OutState.POSTED, OutState.ABORTED, OutState.FAILED}),
+    OutState.POSTED: frozenset({OutState.DONE, OutState.ABORTING, OutState.FAILED}),
+    OutState.ABORTING: frozenset({OutState.DONE, OutState.ABORTED, OutState.FAILED}),
+    OutState.DONE: frozenset(),
+    OutState.ABORTED: frozenset(),
+    OutState.FAILED: frozenset(),
+}
+
+_IN: dict[InState, frozenset[InState]] = {
+    InState.EXPECTED: frozenset(
+        {InState.LANDED, InState.ABORT_REQUESTED, InState.ABORTED, InState.FAILED}
+    ),
+    InState.ABORT_REQUESTED: frozenset({InState.LANDED, InState.ABORTED, InState.FAILED}),
+    InState.LANDED: frozenset(),
+    InState.ABORTED: frozenset(),
+    InState.FAILED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class OutgoingTransfer:
+    request_id: str
+    peer_id: str
+    src_ids: np.ndarray  # int32 local block ids
+    dst_ids: np.ndarray  # int32 block ids in the peer's cache
+    nbytes: int
+    state: OutState = OutState.QUEUED
+    abort_origin: AbortOrigin = AbortOrigin.NONE
+    handle: Any = None  # the backend's in-flight object while POSTED / ABORTING
+    created_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def terminal(self) -> bool:
+        return not _OUT[self.state]
+
+    def transition(self, new: OutState) -> None:
+        if new not in _OUT[self.state]:
+            raise IllegalTransition(f"{self.request_id}: {self.state.value} -> {new.value}")
+        self.state = new
+
+
+@dataclass(eq=False)
+class IncomingTransfer:
+    request_id: str
+    peer_id: str
+    dst_ids: np.ndarray
+    state: InState = InState.EXPECTED
+    created_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def terminal(self) -> bool:
+        return not _IN[self.state]
+
+    @property
+    def abort_requested(self) -> bool:
+        return self.state is InState.ABORT_REQUESTED
+
+    def transition(self, new: InState) -> None:
+        if new not in _IN[self.state]:
+            raise IllegalTransition(f"{self.request_id}: {self.state.value} -> {new.value}")
+        self.state = new

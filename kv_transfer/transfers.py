@@ -1,0 +1,289 @@
+"""The transfer records of one agent, and the events they turn into. Progress thread only.
+
+Writes to a peer are posted to the backend up to `max_inflight` at a time; the
+rest wait in a per-peer FIFO where an abort stops them before any byte moves.
+Each record ends exactly once, through _end_out / _end_in, which emit its one
+terminal event (see events.py) after the transfer is quiescent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict, defaultdict, deque
+from collections.abc import Callable
+
+from common.messages import Abort, KVAborted, TransferRequest
+from kv_transfer.backends.base import (
+    Backend,
+    BackendEvent,
+    Landed,
+    SendFn,
+    WriteCompleted,
+)
+from kv_transfer.errors import BackendError
+from kv_transfer.events import (
+    FailureReason,
+    KVReceived,
+    Quiescent,
+    TransferDone,
+    TransferEvent,
+    TransferFailed,
+)
+from kv_transfer.shared import Registry
+from kv_transfer.state import AbortOrigin, IncomingTransfer, InState, OutgoingTransfer, OutState
+
+log = logging.getLogger(__name__)
+
+_RECENT_INCOMING = 10_000  # finished incoming ids remembered to drop late duplicates
+
+
+class TransferBook:
+    def __init__(
+        self,
+        backend: Backend,
+        send: SendFn,
+        emit: Callable[[TransferEvent], None],
+        registry: Registry,
+        max_inflight: int,
+    ) -> None:
+        self.backend = backend
+        self.send = send
+        self.emit = emit
+        self.registry = registry
+        self.max_inflight = max_inflight
+        self.out: dict[str, OutgoingTransfer] = {}
+        self.incoming: dict[str, IncomingTransfer] = {}
+        self._queues: defaultdict[str, deque[OutgoingTransfer]] = defaultdict(deque)
+        self._inflight: Counter[str] = Counter()
+        self._lost: dict[str, float] = {}  # lost peer -> when; its posted writes may linger
+        self._recent_in: OrderedDict[str, None] = OrderedDict()
+        self._suspects: set[str] = set()  # peers a backend error says are gone
+
+    def expecting(self) -> bool:
+        return bool(self.incoming)
+
+    def nothing_queued_for(self, peer_id: str) -> bool:
+        return not self._queues.get(peer_id)
+
+    # -- owner commands ----------------------------------------------------------------------
+
+    def submit(self, xfer: OutgoingTransfer, peer_alive: bool) -> None:
+        self.out[xfer.request_id] = xfer
+        with self.registry.lock:
+            aborted = self.registry.is_tombstoned(xfer.request_id)
+        if aborted:  # the receiver's Abort arrived after write() was called: never start it
+            xfer.abort_origin = AbortOrigin.PEER
+            self._end_out(xfer, landed=False, detail="aborted by the receiver")
+            return
+        if not peer_alive:
+            self._end_out(xfer, landed=False, reason=FailureReason.PEER_LOST, detail="peer lost")
+            return
+        self._queues[xfer.peer_id].append(xfer)  # posted by pump(), after the whole batch
+        # of commands it came with: an abort in the same batch stops it before it starts
+
+    def pump(self) -> None:
+        """Post queued writes, up to max_inflight per peer."""
+        for peer_id in [p for p, q in self._queues.items() if q]:
+            self._pump(peer_id)
+
+    def expect(self, inc: IncomingTransfer, request: TransferRequest) -> None:
+        self.incoming[inc.request_id] = inc
+        if not self.send(inc.peer_id, request):
+            self._end_in(inc, InState.FAILED, FailureReason.PEER_LOST, "peer not connected")
+
+    def abort(self, request_id: str) -> None:
+        xfer = self.out.get(request_id)
+        if xfer is not None:
+            self._abort_out(xfer, AbortOrigin.LOCAL)
+            return
+        inc = self.incoming.get(request_id)
+        if inc is not None and inc.state is InState.EXPECTED:
+            inc.transition(InState.ABORT_REQUESTED)
+            if not self.send(inc.peer_id, Abort(request_id=request_id)):
+                self._end_in(inc, InState.FAILED, FailureReason.PEER_LOST, "peer not connected")
+
+    def refuse(self, request_id: str, peer_id: str, detail: str) -> None:
+        """End a transfer that never got a record (the agent is closing)."""
+        self.registry.finish(request_id)
+        self.emit(TransferFailed(request_id, peer_id, FailureReason.CLOSED, detail))
+
+    # -- peer messages -----------------------------------------------------------------------
+
+    def on_peer_abort(self, peer_id: str, request_id: str) -> None:
+        """The receiver asked us to stop writing request_id."""
+        xfer = self.out.get(request_id)
+        if xfer is not None and xfer.peer_id != peer_id:
+            log.warning(
+                "%s asked to abort %s, which is written to %s", peer_id, request_id, xfer.peer_id
+            )
+            return
+        self.registry.tombstone([request_id])
+        if xfer is not None:
+            self._abort_out(xfer, AbortOrigin.PEER)
+        else:  # no write exists, and none may start now: tell the receiver at once
+            self.send(peer_id, KVAborted(request_id=request_id, reason="no write in progress"))
+
+    def on_peer_aborted(self, peer_id: str, msg: KVAborted) -> None:
+        """The sender says no write for msg.request_id will land."""
+        inc = self.incoming.get(msg.request_id)
+        if inc is None or inc.peer_id != peer_id:
+            log.debug("KVAborted for unknown incoming %s from %s", msg.request_id, peer_id)
+            return
+        self._end_in(inc, InState.ABORTED, FailureReason.ABORTED_BY_PEER, msg.reason)
+
+    # -- backend events ----------------------------------------------------------------------
+
+    def on_backend(self, events: list[BackendEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, Landed):
+                self._on_landed(ev)
+                continue
+            xfer = self.out.get(ev.request_id)
+            if xfer is None or xfer.state not in (OutState.POSTED, OutState.ABORTING):
+                log.warning("backend reported %s for no posted write", ev)
+                continue
+            self._inflight[xfer.peer_id] -= 1
+            if isinstance(ev, WriteCompleted):
+                self._end_out(xfer, landed=True)
+            else:
+                if ev.peer_lost and xfer.peer_id not in self._lost:
+                    self._suspects.add(xfer.peer_id)
+                lost = ev.peer_lost or xfer.peer_id in self._lost
+                reason = FailureReason.PEER_LOST if lost else FailureReason.BACKEND_ERROR
+                self._end_out(xfer, landed=False, reason=reason, detail=ev.detail)
+            self._pump(xfer.peer_id)
+
+    def _on_landed(self, ev: Landed) -> None:
+        inc = self.incoming.get(ev.request_id)
+        if inc is None:
+            if ev.request_id in self._recent_in:
+                log.warning("late notification for finished %s dropped", ev.request_id)
+            else:  # a write nobody asked for: still the owner's to judge
+                self.emit(KVReceived(ev.request_id, ev.peer_id))
+            return
+        if inc.peer_id != ev.peer_id:
+            log.error("%s landed from %s, expected from %s", ev.request_id, ev.peer_id, inc.peer_id)
+            return
+        self._end_in(inc, InState.LANDED)
+
+    def take_suspects(self) -> set[str]:
+        """Peers whose writes failed with a disconnect since the last call."""
+        suspects, self._suspects = self._suspects, set()
+        return suspects
+
+    # -- peer loss ---------------------------------------------------------------------------
+
+    def fail_peer(self, peer_id: str, reason: str) -> None:
+        """The peer is gone: end everything with it once each piece is quiescent."""
+        self._lost[peer_id] = time.monotonic()
+        for xfer in list(self._queues.pop(peer_id, ())):
+            self._end_out(xfer, landed=False, reason=FailureReason.PEER_LOST, detail=reason)
+        self.on_backend(self.backend.remove_peer(peer_id))  # after this nothing lands from it
+        for inc in [i for i in self.incoming.values() if i.peer_id == peer_id]:
+            self._end_in(inc, InState.FAILED, FailureReason.PEER_LOST, reason)
+
+    def expire_stragglers(self, grace_s: float) -> None:
+        """Writes to a lost peer the backend never settled: fail them after grace_s.
+
+        Only the source side can be left reading; a dead peer cannot write to us.
+        """
+        now = time.monotonic()
+        for xfer in list(self.out.values()):
+            lost_at = self._lost.get(xfer.peer_id)
+            if lost_at is not None and now - lost_at > grace_s:
+                log.warning("%s: backend did not settle after peer loss", xfer.request_id)
+                self._inflight[xfer.peer_id] -= 1
+                self._end_out(xfer, False, FailureReason.PEER_LOST, "peer lost (unsettled)")
+
+    def close(self) -> None:
+        for peer_id in {x.peer_id for x in self.out.values()} | {
+            i.peer_id for i in self.incoming.values()
+        }:
+            self.fail_peer(peer_id, "agent closed")
+        for xfer in list(self.out.values()):
+            self._end_out(xfer, False, FailureReason.CLOSED, "agent closed")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _pump(self, peer_id: str) -> None:
+        queue = self._queues.get(peer_id)
+        while queue and self._inflight[peer_id] < self.max_inflight:
+            xfer = queue.popleft()
+            xfer.transition(OutState.POSTED)
+            self._inflight[peer_id] += 1
+            try:
+                ev = self.backend.post(xfer)
+            except BackendError as e:
+                self._inflight[peer_id] -= 1
+                self._end_out(xfer, False, FailureReason.BACKEND_ERROR, str(e))
+                continue
+            if ev is not None:
+                self.on_backend([ev])
+
+    def _abort_out(self, xfer: OutgoingTransfer, origin: AbortOrigin) -> None:
+        if origin is AbortOrigin.LOCAL or xfer.abort_origin is AbortOrigin.NONE:
+            xfer.abort_origin = origin
+        self.registry.tombstone([xfer.request_id])
+        if xfer.state is OutState.QUEUED:
+            self._queues[xfer.peer_id].remove(xfer)
+            self._end_out(xfer, landed=False)
+        elif xfer.state is OutState.POSTED:
+            xfer.transition(OutState.ABORTING)
+            if self.backend.cancel(xfer):
+                self._inflight[xfer.peer_id] -= 1
+                self._end_out(xfer, landed=False)
+                self._pump(xfer.peer_id)
+
+    def _end_out(
+        self,
+        xfer: OutgoingTransfer,
+        landed: bool,
+        reason: FailureReason = FailureReason.BACKEND_ERROR,
+        detail: str = "",
+    ) -> None:
+        rid, peer = xfer.request_id, xfer.peer_id
+        aborted = xfer.abort_origin is not AbortOrigin.NONE
+        if landed:
+            xfer.transition(OutState.DONE)
+        elif aborted and reason is not FailureReason.PEER_LOST:
+            xfer.transition(OutState.ABORTED)
+        else:
+            xfer.transition(OutState.FAILED)
+        if not landed and peer not in self._lost:
+            self.send(peer, KVAborted(request_id=rid, reason=detail or "aborted"))
+        del self.out[rid]
+        self.registry.finish(rid)
+        if xfer.abort_origin is AbortOrigin.LOCAL:
+            self.emit(Quiescent(rid, peer, landed))
+        elif landed:
+            self.emit(TransferDone(rid, peer))
+        else:
+            by_peer = aborted and reason is not FailureReason.PEER_LOST
+            self.emit(
+                TransferFailed(
+                    rid, peer, FailureReason.ABORTED_BY_PEER if by_peer else reason, detail
+                )
+            )
+
+    def _end_in(
+        self,
+        inc: IncomingTransfer,
+        new: InState,
+        reason: FailureReason = FailureReason.PEER_LOST,
+        detail: str = "",
+    ) -> None:
+        abort_requested = inc.abort_requested
+        inc.transition(new)
+        del self.incoming[inc.request_id]
+        self.registry.finish(inc.request_id)
+        self._recent_in[inc.request_id] = None
+        if len(self._recent_in) > _RECENT_INCOMING:
+            self._recent_in.popitem(last=False)
+        landed = new is InState.LANDED
+        if abort_requested:
+            self.emit(Quiescent(inc.request_id, inc.peer_id, landed))
+        elif landed:
+            self.emit(KVReceived(inc.request_id, inc.peer_id))
+        else:
+            self.emit(TransferFailed(inc.request_id, inc.peer_id, reason, detail))

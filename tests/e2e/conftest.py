@@ -1,0 +1,73 @@
+"""Clusters of real processes, shared per module to keep start-up cost down."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from common.config import EngineConfig
+from common.engine import LLMEngine
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from tests.e2e.cluster import Cluster
+
+Topology = tuple[int, int, int]  # prefill, decode, colocated nodes
+
+
+def start_cluster(model_dir: Path, topology: Topology, **engine: object) -> Cluster:
+    cluster = Cluster(model_dir, **engine)
+    try:
+        n_p, n_d, n_c = topology
+        prefill = [cluster.node("prefill", f"prefill-{i}", wait=False) for i in range(n_p)]
+        decode = [cluster.node("decode", f"decode-{i}", wait=False) for i in range(n_d)]
+        both = [cluster.node("both", f"both-{i}", wait=False) for i in range(n_c)]
+        cluster.wait_all()
+        cluster.start_proxy(prefill=prefill, decode=decode, colocated=both)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir: Path) -> Callable[[list[int], SamplingParams], list[int]]:
+    """The offline engine's output ids for a prompt, one request at a time (cached)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=256))
+    cache: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}
+
+    def run(prompt: list[int], sampling: SamplingParams) -> list[int]:
+        key = (tuple(prompt), sampling)
+        if key not in cache:
+            engine.add_request(f"r{len(cache)}", prompt, sampling)
+            ids: list[int] = []
+            while engine.has_work():
+                for out in engine.step():
+                    ids += out.new_token_ids
+            cache[key] = ids
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture
+def cluster_factory(tiny_model_dir: Path) -> Iterator[Callable[..., Cluster]]:
+    """Start clusters inside a test; all of them are stopped when it ends."""
+    started: list[Cluster] = []
+
+    def make(topology: Topology, **engine: object) -> Cluster:
+        cluster = start_cluster(tiny_model_dir, topology, **engine)
+        started.append(cluster)
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in started:
+            cluster.close()

@@ -1,0 +1,192 @@
+"""Issue 4 acceptance: the disaggregated service end to end, real processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import urllib.error
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+import pytest
+
+from common.sampling import SamplingParams
+from common.tiny_corpus import CORPUS
+from common.tokenizer import Tokenizer
+from tests.e2e.cluster import Cluster, http_json
+from tests.e2e.conftest import start_cluster
+
+TOPOLOGIES = {"1p1d": (1, 1, 0), "2p2d": (2, 2, 0), "colocated": (0, 0, 1)}
+
+
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+def cluster(request: pytest.FixtureRequest, tiny_model_dir: Path):
+    c = start_cluster(tiny_model_dir, TOPOLOGIES[request.param])
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _client(cluster: Cluster) -> openai.OpenAI:
+    assert cluster.proxy is not None
+    return openai.OpenAI(base_url=f"{cluster.proxy.url}/v1", api_key="x", timeout=60, max_retries=0)
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_openai_client_streams_chat_and_completion_equal_to_offline(
+    cluster: Cluster, tokenizer: Tokenizer, offline: Callable
+) -> None:
+    client = _client(cluster)
+    model = _model(client)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    messages = [{"role": "user", "content": "Tell me about the quick brown fox."}]
+    want = offline(tokenizer.encode_chat(messages), sp)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text == tokenizer.decode(want)
+    assert usage is not None and usage.completion_tokens == len(want)
+
+    prompt = "Héllo wörld, 你好! Once upon a time"
+    want = offline(tokenizer.encode(prompt), sp)
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == tokenizer.decode(want)
+    full = client.completions.create(
+        model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert full.choices[0].text == text and full.choices[0].finish_reason == "length"
+    cluster.wait_baseline()
+
+
+def test_concurrent_mixed_requests_match_offline_and_free_every_block(
+    cluster: Cluster, tokenizer: Tokenizer, offline: Callable
+) -> None:
+    assert cluster.proxy is not None
+    # Text prompts (slices of the tokenizer's corpus), so that no prompt ends inside
+    # a multi-byte character and the streamed text equals decode(output ids).
+    rng = random.Random(4)
+    jobs = []
+    for i in range(32):
+        size = rng.choice([1, 4, 40, 200, 700, 1100])
+        start = rng.randrange(0, len(CORPUS) - size)
+        jobs.append((CORPUS[start : start + size], rng.randint(2, 32), i))
+    client = openai.AsyncOpenAI(base_url=f"{cluster.proxy.url}/v1", api_key="x", timeout=120)
+    model = _model(_client(cluster))
+
+    async def one(prompt: str, n: int, i: int) -> tuple[str, str | None]:
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text, reason = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def all_jobs() -> list[tuple[str, str | None]]:
+        return await asyncio.gather(*(one(*job) for job in jobs))
+
+    results = asyncio.run(all_jobs())
+    for (prompt, n, _), (text, reason) in zip(jobs, results, strict=True):
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        want = offline(tokenizer.encode(prompt), sp)
+        assert text == tokenizer.decode(want)
+        assert reason == "length"
+    cluster.wait_baseline()
+
+
+def test_full_decode_pool_queues_then_completes(
+    cluster_factory: Callable[..., Cluster], tokenizer: Tokenizer, offline: Callable
+) -> None:
+    cluster = cluster_factory((1, 1, 0), max_num_seqs=2)
+    assert cluster.proxy is not None
+    client = openai.AsyncOpenAI(base_url=f"{cluster.proxy.url}/v1", api_key="x", timeout=120)
+    prompts = [[7 + i, 8, 9, 10 + i] for i in range(8)]
+    model = _model(_client(cluster))
+
+    async def one(prompt: list[int]) -> str:
+        resp = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        return resp.choices[0].text
+
+    async def run() -> tuple[list[str], float]:
+        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+        peak = 0.0
+        while not all(t.done() for t in tasks):
+            peak = max(peak, _metric(cluster.proxy.url, "pdserve_interstage_queue_depth"))
+            await asyncio.sleep(0.02)
+        return await asyncio.gather(*tasks), peak
+
+    texts, peak = asyncio.run(run())
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert texts == [tokenizer.decode(offline(p, sp)) for p in prompts]
+    waits = _metric(cluster.proxy.url, "pdserve_interstage_wait_seconds_count")
+    assert waits >= len(prompts)
+    assert peak >= 1, "no request ever waited in the inter-stage queue"
+    cluster.wait_baseline()
+
+
+def test_node_with_other_fingerprint_is_refused(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    cluster = cluster_factory((1, 1, 0))
+    assert cluster.proxy is not None
+    other = cluster.node("decode", "decode-bf16", dtype="bfloat16")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        http_json(f"{cluster.proxy.url}/admin/nodes", {"url": other.url, "role": "decode"})
+    assert 400 <= err.value.code < 500
+    assert "fingerprint" in err.value.read().decode().lower()
+    listed = http_json(f"{cluster.proxy.url}/admin/nodes")
+    urls = [n["url"] for n in (listed["nodes"] if isinstance(listed, dict) else listed)]
+    assert other.url not in urls
+
+
+def _metric(url: str, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
+        if m:
+            total += float(m.group(2))
+    return total

@@ -1,0 +1,207 @@
+"""Test-side handle on node processes (node_proc.py) and event helpers.
+
+Every process started here is stopped by its fixture in a finally block: asked
+to exit, then killed by pid if it does not within a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import zmq
+
+NODE_SCRIPT = Path(__file__).with_name("node_proc.py")
+
+# Short liveness settings so hung-peer detection stays well inside the tests' waits.
+TEST_CONFIG = {
+    "heartbeat_interval_s": 0.2,
+    "peer_timeout_s": 3.0,
+    "handshake_timeout_s": 10.0,
+    "close_timeout_s": 3.0,
+}
+TERMINAL = ("TransferDone", "TransferFailed", "KVReceived", "Quiescent")
+
+
+class NodeError(RuntimeError):
+    """An operation failed inside the node process (message carries its error)."""
+
+
+class NodeProc:
+    def __init__(self, name: str, log_dir: Path) -> None:
+        self.name = name
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.log_path = log_dir / f"{name}.log"
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "UCX_WARN_UNUSED_ENV_VARS": "n",
+            "NIXL_LOG_LEVEL": "WARN",
+        }
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(NODE_SCRIPT), f"tcp://127.0.0.1:{port}"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._sock.poll(200):
+                self._sock.recv()
+                return
+            if self.proc.poll() is not None:
+                raise NodeError(
+                    f"{self.name} exited with {self.proc.returncode}\n{self.log_tail()}"
+                )
+        raise TimeoutError(f"{self.name} did not start in {timeout}s\n{self.log_tail()}")
+
+    def call(self, op: str, timeout: float = 60.0, **args: object) -> object:
+        self._sock.send(msgpack.packb({"op": op, **args}, use_bin_type=True))
+        if not self._sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"{self.name}: {op} took over {timeout}s\n{self.log_tail()}")
+        reply = msgpack.unpackb(self._sock.recv(), raw=False)
+        if not reply["ok"]:
+            raise NodeError(f"{self.name}: {op}: {reply['error']}\n{reply.get('tb', '')}")
+        return reply["result"]
+
+    def start(self, backend: str, engine_id: str, cache: dict, **extra: object) -> dict:
+        config = {**TEST_CONFIG, **extra.pop("config", {})}  # type: ignore[dict-item]
+        return self.call(  # type: ignore[return-value]
+            "start", backend=backend, engine_id=engine_id, cache=cache, config=config, **extra
+        )
+
+    def events(self, wait: float = 0.0) -> list[dict]:
+        return self.call("events", timeout=wait + 30, wait=wait)  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.call("exit", timeout=15)
+                self.proc.wait(10)
+        except (TimeoutError, NodeError, subprocess.TimeoutExpired, zmq.ZMQError):
+            pass
+        finally:
+            if self.proc.poll() is None:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            self._sock.close(linger=0)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def start_nodes(names: list[str], log_dir: Path) -> list[NodeProc]:
+    """Start processes in parallel; on any failure stop the ones already started."""
+    nodes: list[NodeProc] = []
+    try:
+        for name in names:
+            nodes.append(NodeProc(name, log_dir))
+        for node in nodes:
+            node.wait_ready()
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
+
+
+def collect(
+    node: NodeProc,
+    until: Callable[[list[dict]], bool],
+    timeout: float,
+    into: list[dict] | None = None,
+) -> list[dict]:
+    """Gather node events until `until(events)` holds or `timeout` passes."""
+    events = [] if into is None else into
+    deadline = time.monotonic() + timeout
+    while not until(events):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        events.extend(node.events(wait=min(0.5, left)))
+    return events
+
+
+def terminal(events: list[dict], kind: str | None = None) -> list[dict]:
+    return [e for e in events if e["kind"] in TERMINAL and (kind is None or e["kind"] == kind)]
+
+
+def count_terminal(n: int) -> Callable[[list[dict]], bool]:
+    return lambda events: len(terminal(events)) >= n
+
+
+def messages(events: list[dict], message_type: str) -> list[dict]:
+    return [
+        e for e in events if e["kind"] == "MessageReceived" and e["message_type"] == message_type
+    ]
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    num_blocks: int
+    layers: int
+    heads: int
+    dim: int
+    block_size: int
+    dtype: str = "float32"
+
+    @property
+    def block_bytes(self) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        return self.layers * 2 * self.block_size * self.heads * self.dim * itemsize
+
+    def as_dict(self, **extra: object) -> dict:
+        return {
+            "num_blocks": self.num_blocks,
+            "layers": self.layers,
+            "heads": self.heads,
+            "dim": self.dim,
+            "block_size": self.block_size,
+            "dtype": self.dtype,
+            **extra,
+        }
+
+
+def read_shm(path: Path, spec: CacheSpec) -> np.ndarray:
+    """A dead node's cache from its shared-memory file: [num_blocks, block_bytes] uint8."""
+    return np.fromfile(path, dtype=np.uint8).reshape(spec.num_blocks, spec.block_bytes)
+
+
+def start_pair(
+    prefill: NodeProc,
+    decode: NodeProc,
+    backend: str,
+    p_spec: CacheSpec,
+    d_spec: CacheSpec,
+    p_config: dict | None = None,
+    d_shm: Path | None = None,
+) -> tuple[dict, dict]:
+    """Fresh agents on both nodes; decode connects to prefill (it learns the address
+    from the KVHandle in the real flow). Returns both start() results ({address, name})."""
+    p = prefill.start(backend, "prefill", p_spec.as_dict(), config=p_config or {})
+    d_cache = d_spec.as_dict(shm_path=str(d_shm) if d_shm else None)
+    d = decode.start(backend, "decode", d_cache)
+    assert decode.call("connect", address=p["address"]) == p["name"]
+    return p, d

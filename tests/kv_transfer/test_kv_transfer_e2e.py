@@ -1,0 +1,113 @@
+"""Real processes on loopback, every backend: bytes land exactly, once, where asked.
+
+The flow is the real one: decode connects and sends a TransferRequest naming its
+reserved blocks; prefill answers with write(); both sides' events are counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvt_harness import (
+    CacheSpec,
+    NodeProc,
+    collect,
+    count_terminal,
+    messages,
+    start_pair,
+    terminal,
+)
+from node_proc import pattern
+
+WAIT = 60.0  # generous bound for any awaited event
+
+LAYOUTS = {
+    "2L-2H-16D-bs4": dict(layers=2, heads=2, dim=16, block_size=4),
+    "3L-4H-8D-bs16": dict(layers=3, heads=4, dim=8, block_size=16),
+}
+
+
+def expected(seed: int, ids: list[int], block_bytes: int) -> np.ndarray:
+    return np.stack([pattern(seed, b, block_bytes) for b in ids])
+
+
+def read(node: NodeProc, ids: list[int], block_bytes: int) -> np.ndarray:
+    raw = node.call("read", ids=ids)
+    return np.frombuffer(raw, dtype=np.uint8).reshape(len(ids), block_bytes)  # type: ignore[arg-type]
+
+
+def transfer_requests(prefill: NodeProc, n: int) -> dict[str, dict]:
+    """Wait for n TransferRequests at prefill; rid -> {peer, dst}."""
+    events = collect(prefill, lambda ev: len(messages(ev, "transfer_request")) >= n, WAIT)
+    reqs = messages(events, "transfer_request")
+    assert len(reqs) == n, events
+    return {
+        e["message"]["request_id"]: {"peer": e["peer_id"], "dst": e["message"]["dst_block_ids"]}
+        for e in reqs
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_scattered_blocks_arrive_byte_exact(trio, dtype: str, layout: str) -> None:
+    p_spec = CacheSpec(num_blocks=40, dtype=dtype, **LAYOUTS[layout])
+    d_spec = CacheSpec(num_blocks=48, dtype=dtype, **LAYOUTS[layout])
+    p, d = start_pair(trio.prefill, trio.decode1, trio.backend, p_spec, d_spec)
+    trio.prefill.call("fill_pattern", ids=list(range(40)), seed=7)
+    rng = np.random.default_rng(sum(map(ord, layout + dtype)))
+    used: set[int] = set()
+    for i in range(3):
+        src = rng.choice(40, size=9, replace=False).tolist()  # random order, non-contiguous
+        free = [b for b in range(48) if b not in used]
+        dst = rng.choice(free, size=9, replace=False).tolist()
+        used.update(dst)
+        rid = f"req-{i}"
+        trio.decode1.call("request", peer=p["name"], rid=rid, dst=dst)
+        assert transfer_requests(trio.prefill, 1)[rid] == {"peer": d["name"], "dst": dst}
+        trio.prefill.call("write", rid=rid, peer=d["name"], src=src, dst=dst)
+        p_events = collect(trio.prefill, count_terminal(1), WAIT)
+        d_events = collect(trio.decode1, count_terminal(1), WAIT)
+        assert [e["kind"] for e in terminal(p_events)] == ["TransferDone"]
+        assert [(e["kind"], e["request_id"]) for e in terminal(d_events)] == [("KVReceived", rid)]
+        got = read(trio.decode1, dst, d_spec.block_bytes)
+        assert np.array_equal(got, expected(7, src, p_spec.block_bytes))
+    untouched = [b for b in range(48) if b not in used]
+    assert not read(trio.decode1, untouched, d_spec.block_bytes).any()  # no stray bytes
+
+
+def test_32_concurrent_transfers_one_prefill_two_decodes(trio) -> None:
+    tiny = dict(layers=4, heads=2, dim=64, block_size=16)  # the default model's block: 64 KiB
+    p_spec, d_spec = CacheSpec(num_blocks=160, **tiny), CacheSpec(num_blocks=96, **tiny)
+    p, d1 = start_pair(trio.prefill, trio.decode1, trio.backend, p_spec, d_spec)
+    d2 = trio.decode2.start(trio.backend, "decode", d_spec.as_dict())
+    assert trio.decode2.call("connect", address=p["address"]) == p["name"]
+    trio.prefill.call("fill_pattern", ids=list(range(160)), seed=3)
+    rng = np.random.default_rng(32)
+    src_order = rng.permutation(160).tolist()
+    decodes = {trio.decode1: d1["name"], trio.decode2: d2["name"]}
+    free = {node: rng.permutation(96).tolist() for node in decodes}
+    plan = {}
+    for i in range(32):
+        node = trio.decode1 if i % 2 else trio.decode2
+        dst, free[node] = free[node][:4], free[node][4:]
+        plan[f"r{i}"] = {"node": node, "peer": decodes[node], "src": src_order[i * 4 : i * 4 + 4]}
+        plan[f"r{i}"]["dst"] = dst
+        node.call("request", peer=p["name"], rid=f"r{i}", dst=dst)
+    requests = transfer_requests(trio.prefill, 32)
+    for rid, v in plan.items():  # all 32 issued back to back, none awaited
+        assert requests[rid] == {"peer": v["peer"], "dst": v["dst"]}
+        trio.prefill.call("write", rid=rid, peer=v["peer"], src=v["src"], dst=v["dst"])
+    p_events = collect(trio.prefill, count_terminal(32), WAIT)
+    d1_events = collect(trio.decode1, count_terminal(16), WAIT)
+    d2_events = collect(trio.decode2, count_terminal(16), WAIT)
+    for node in (trio.prefill, trio.decode1, trio.decode2):  # nothing more arrives later
+        assert not terminal(node.events(wait=0.5))
+    assert sorted(e["request_id"] for e in terminal(p_events, "TransferDone")) == sorted(plan)
+    assert len(terminal(p_events)) == 32
+    for node, events in ((trio.decode1, d1_events), (trio.decode2, d2_events)):
+        rids = sorted(r for r, v in plan.items() if v["node"] is node)
+        assert sorted(e["request_id"] for e in terminal(events, "KVReceived")) == rids
+        assert len(terminal(events)) == 16
+        for rid in rids:
+            got = read(node, plan[rid]["dst"], d_spec.block_bytes)
+            assert np.array_equal(got, expected(3, plan[rid]["src"], p_spec.block_bytes)), rid
