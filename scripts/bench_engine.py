@@ -3,8 +3,8 @@
 
 For each batch size B: B requests with short prompts are prefilled, then N full
 engine steps (schedule + forward + sample + bookkeeping) each decode B tokens.
-The bare forward runs the model alone on one prepared decode batch of the same
-size and context. overhead = full step time / bare forward time.
+The bare forward runs the model alone on the inputs that step prepared (same
+batch, same context), right after it. overhead = full step time / bare forward.
 
     python scripts/bench_engine.py [--model DIR] [--batches 1,8,32,64] [--steps 30]
 """
@@ -20,11 +20,13 @@ import torch
 from common.cli import model_dir
 from common.config import EngineConfig
 from common.engine import LLMEngine
+from common.model_runner import StepInputs
 from common.sampling import SamplingParams
 
 
 def bench_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    # Long enough that no request finishes while others still prefill or during timing.
+    sp = SamplingParams(temperature=0.0, max_tokens=4 * steps + 64, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
     vocab = engine.model_config.vocab_size
     for i in range(batch):
@@ -34,24 +36,28 @@ def bench_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> d
     while any(s.num_uncomputed != 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill everything first
     engine.step()  # warm up the decode path
-    # One decode step by hand, keeping its prepared inputs for the bare forwards.
-    sched = engine.scheduler.schedule()
-    assert sched.num_decode == batch, (sched.num_decode, batch)
-    x = engine.runner.prepare(sched)
-    engine.scheduler.postprocess(sched, engine.runner.run(sched))
-    # Full steps and bare forwards interleaved, so load from other processes hits
-    # both alike. A bare forward rewrites the same K/V into the same slots.
+    # Capture each step's prepared inputs, so the bare forward after it runs the
+    # very batch the step ran (same sequences, same context lengths). A bare
+    # forward rewrites the same K/V into the same slots.
+    prepare = engine.runner.prepare
+    captured: list[StepInputs] = []
+    engine.runner.prepare = lambda b: captured.append(prepare(b)) or captured[-1]  # type: ignore[method-assign]
     full: list[float] = []
     bare: list[float] = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        t1 = time.perf_counter()
-        hidden = engine.model(x.input_ids, x.positions, engine.kv_cache, x.meta)
-        engine.model.compute_logits(hidden[x.sample_rows])
-        t2 = time.perf_counter()
-        full.append(t1 - t0)
-        bare.append(t2 - t1)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            t1 = time.perf_counter()
+            x = captured.pop()
+            assert len(x.sample_rows) == batch, (len(x.sample_rows), batch, len(captured))
+            hidden = engine.model(x.input_ids, x.positions, engine.kv_cache, x.meta)
+            engine.model.compute_logits(hidden[x.sample_rows])
+            t2 = time.perf_counter()
+            full.append(t1 - t0)
+            bare.append(t2 - t1)
+    finally:
+        engine.runner.prepare = prepare  # type: ignore[method-assign]
     for i in range(batch):
         engine.abort_request(f"b{batch}-{i}")
     engine.step()
