@@ -15,25 +15,4 @@
 #   PDSERVE_BIN           the command (default: pdserve; e.g. "python -m common.cli")
 #   PDSERVE_DRY_RUN=1     print the command instead of running it
 set -euo pipefail
-
-args=(prefill --host "${PDSERVE_HOST:-127.0.0.1}" --port "${PDSERVE_PORT:-8100}")
-opt() { if [[ -n "${!1:-}" ]]; then args+=("$2" "${!1}"); fi; }
-opt PDSERVE_KV_PORT --kv-port
-opt PDSERVE_KV_BACKEND --kv-backend
-opt PDSERVE_MODEL --model
-opt PDSERVE_NUM_BLOCKS --num-blocks
-opt PDSERVE_BLOCK_SIZE --block-size
-opt PDSERVE_DTYPE --dtype
-opt PDSERVE_MAX_NUM_SEQS --max-num-seqs
-opt PDSERVE_MAX_NUM_BATCHED_TOKENS --max-num-batched-tokens
-opt PDSERVE_MAX_MODEL_LEN --max-model-len
-opt PDSERVE_THREADS --threads
-opt PDSERVE_ENGINE_ID --engine-id
-opt PDSERVE_LOG_LEVEL --log-level
-
-read -ra bin <<< "${PDSERVE_BIN:-pdserve}"
-if [[ -n "${PDSERVE_DRY_RUN:-}" ]]; then
-    printf '%q ' "${bin[@]}" "${args[@]}" "$@"; echo
-    exit 0
-fi
-exec "${bin[@]}" "${args[@]}" "$@"
+PDSERVE_PORT="${PDSERVE_PORT:-8100}" exec "$(dirname "$0")/_launch_node.sh" prefill "$@"
