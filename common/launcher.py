@@ -35,6 +35,8 @@ from typing import IO, TYPE_CHECKING
 
 import aiohttp
 
+from common.logs import setup_logging
+
 if TYPE_CHECKING:
     from proxy.main import RunningProxy
 
@@ -379,10 +381,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def cmd_up(args: argparse.Namespace) -> int:
     from common.cli import model_dir
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    setup_logging("INFO")
     cfg = UpConfig(
         model=model_dir(args.model),
         host=args.host,

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from common.logs import setup_logging
 from common.node import Node, NodeConfig, Role
 from kv_transfer.config import BACKENDS, TransferConfig
 
@@ -63,10 +64,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # pollers hit /state often
+    setup_logging(args.log_level)
     return asyncio.run(serve(node_config(args)))
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from common.logs import setup_logging
 from common.model_config import ModelConfig
 from common.tokenizer import Tokenizer
 from proxy.admin import AdminRoutes
@@ -174,9 +175,5 @@ async def serve(settings: ProxySettings) -> int:
 
 def run(settings: ProxySettings, log_level: str = "INFO", access_log: bool = False) -> int:
     """Configure logging and serve until a signal (the `pdserve proxy` command)."""
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if not access_log:
-        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    setup_logging(log_level, access_log)
     return asyncio.run(serve(settings))
