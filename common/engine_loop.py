@@ -24,11 +24,16 @@ class EngineThread:
     """Steps `engine` on a daemon thread and hands every step's outputs to `publish`."""
 
     def __init__(
-        self, engine: LLMEngine, publish: Callable[[list[StepOutput]], None], idle_wait: float = 0.5
+        self,
+        engine: LLMEngine,
+        publish: Callable[[list[StepOutput]], None],
+        idle_wait: float = 0.5,
+        step_delay_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self._publish = publish
         self._idle_wait = idle_wait
+        self._step_delay_s = step_delay_s  # testing: widen the windows between steps
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -55,6 +60,8 @@ class EngineThread:
                 outputs = self.engine.step()
                 if outputs:
                     self._publish(outputs)
+                if self._step_delay_s:
+                    self._stop.wait(self._step_delay_s)
         except BaseException as exc:  # the engine is broken: report, don't hang clients
             log.exception("engine thread died")
             self.error = exc
@@ -64,11 +71,11 @@ class EngineThread:
 class AsyncEngine:
     """asyncio front of an engine thread: `generate` streams a request's outputs."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, step_delay_s: float = 0.0) -> None:
         self.engine = engine
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = EngineThread(engine, self._publish_threadsafe)
+        self._thread = EngineThread(engine, self._publish_threadsafe, step_delay_s=step_delay_s)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

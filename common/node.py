@@ -49,12 +49,18 @@ class NodeConfig:
     kv_wait_timeout_s: float = 30.0  # decode: give up on KV that never lands
     lease_reap_interval_s: float = 0.1  # prefill: how often expired leases are freed
     drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight work
+    # Fault injection for tests and drills: sleep after each engine step, and (prefill)
+    # before posting each KV write, so a request can be caught in a given stage.
+    debug_step_delay_s: float = 0.0
+    debug_transfer_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.kv_wait_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("kv_wait_timeout_s must be > 0 and drain_timeout_s >= 0")
+        if self.debug_step_delay_s < 0 or self.debug_transfer_delay_s < 0:
+            raise ValueError("debug delays must be >= 0")
 
 
 class Node:
@@ -80,7 +86,7 @@ class Node:
         """Load the model, start the engine thread and role services, then serve."""
         self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
         self.fingerprint = Fingerprint.for_kv_cache(self.engine.kv_cache, self.engine.weights_hash)
-        self.front = AsyncEngine(self.engine)
+        self.front = AsyncEngine(self.engine, step_delay_s=self.config.debug_step_delay_s)
         await self.front.start()
         await self.start_role()
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_middleware])
@@ -245,7 +251,12 @@ def ndjson_response() -> web.StreamResponse:
 
 async def write_error_line(resp: web.StreamResponse, request_id: str, err: ApiError) -> None:
     """The last line of a stream that failed after its headers went out."""
-    delta = TokenDelta(request_id=request_id, token_ids=[], error=f"{err.code}: {err.message}")
+    delta = TokenDelta(
+        request_id=request_id,
+        token_ids=[],
+        error=f"{err.code}: {err.message}",
+        error_code=err.code,
+    )
     await resp.write(to_json(delta) + b"\n")
     await resp.write_eof()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -40,6 +41,11 @@ def add_node_args(p: argparse.ArgumentParser, role: Role | None) -> None:
     p.add_argument("--kv-port", type=int, default=0, help="KV side-channel port (0: any)")
     p.add_argument("--kv-wait-timeout", type=float, default=30.0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    d = p.add_argument_group("fault injection (tests and drills; keep 0 in production)")
+    d.add_argument("--debug-step-delay", type=float, default=0.0, help="sleep after each step")
+    d.add_argument(
+        "--debug-transfer-delay", type=float, default=0.0, help="prefill: delay each KV write"
+    )
     p.add_argument("--log-level", default="INFO")
     add_engine_args(p)
     p.set_defaults(func=cmd_node, fixed_role=role)
@@ -60,6 +66,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         engine_id=args.engine_id,
         kv_wait_timeout_s=args.kv_wait_timeout,
         drain_timeout_s=args.drain_timeout,
+        debug_step_delay_s=args.debug_step_delay,
+        debug_transfer_delay_s=args.debug_transfer_delay,
     )
 
 
@@ -85,5 +93,7 @@ async def serve(config: NodeConfig) -> int:
         await node.stop()
     if node.engine is not None:
         node.engine.check_integrity()
+        blocks = node.engine.state()["blocks"]
+        logging.getLogger(__name__).info("stopped: blocks %s", json.dumps(blocks, sort_keys=True))
     print(f"pdserve node stopped: {url}", file=sys.stderr, flush=True)
     return 0

@@ -108,6 +108,7 @@ class TokenDelta(Message):
     token_ids: list[int]
     finish_reason: FinishReasonName | None = None
     error: str | None = None
+    error_code: str | None = None  # e.g. kv_failed, kv_timeout: the proxy may retry elsewhere
 
 
 @register

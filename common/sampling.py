@@ -22,6 +22,9 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(16, ge=1)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The output index of this request's first sampled token: nonzero when a request is
+    # continued elsewhere (re-prefilled after a node failure), so seeded noise continues.
+    output_index_base: int = Field(0, ge=0, lt=2**31)
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -60,7 +63,9 @@ def sample(
         noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_()
     for i, p in enumerate(params):
         if p.seed is not None:
-            g = torch.Generator().manual_seed(_noise_seed(p.seed, output_index[i]))
+            g = torch.Generator().manual_seed(
+                _noise_seed(p.seed, p.output_index_base + output_index[i])
+            )
             noise[i] = torch.empty(vocab).exponential_(generator=g)
     sampled = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
     if any(greedy):

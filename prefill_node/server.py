@@ -11,6 +11,7 @@ only when the transfer reports a terminal event (done, failed, quiescent).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -192,11 +193,35 @@ class PrefillNode(TransferNode):
         entry.transition(HeldState.SENDING)
         entry.peer_id = peer_id
         entry.sent_at = time.monotonic()
+        if self.config.debug_transfer_delay_s:
+            self.spawn(self._write_later(peer_id, req), f"write-{req.request_id}")
+        else:
+            self._write(peer_id, req)
+
+    def _write(self, peer_id: str, req: TransferRequest) -> None:
+        assert self.agent is not None
+        entry = self.held.get(req.request_id)
+        if entry is None:
+            return
+        if entry.cancel_requested:  # cancelled before the write was posted
+            self._tell_aborted(peer_id, req.request_id, "cancelled")
+            self._release(req.request_id, "cancelled before the write")
+            return
         try:
             self.agent.write(req.request_id, peer_id, entry.blocks, req.dst_block_ids)
-        except TransferRejected as e:
-            self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=str(e)))
+        except TransferRejected as e:  # aborted (a cancel came first) or the peer is gone
+            self._tell_aborted(peer_id, req.request_id, str(e))
             self._release(req.request_id, f"write refused: {e}")
+
+    def _tell_aborted(self, peer_id: str, request_id: str, reason: str) -> None:
+        assert self.agent is not None
+        with contextlib.suppress(TransferRejected):  # the peer is gone: nothing to tell
+            self.agent.send(peer_id, KVAborted(request_id=request_id, reason=reason))
+
+    async def _write_later(self, peer_id: str, req: TransferRequest) -> None:
+        """Fault injection: the transfer is committed (SENDING) but posted late."""
+        await asyncio.sleep(self.config.debug_transfer_delay_s)
+        self._write(peer_id, req)
 
     def _transfer_ended(self, request_id: str, ok: bool) -> None:
         entry = self.held.get(request_id)

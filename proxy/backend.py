@@ -76,6 +76,17 @@ class BackendError(ApiError):
         return cls(502, message, type=SERVER_ERROR, code="backend_failure")
 
 
+class NodeLost(BackendError):
+    """A node serving a started request failed it in a way another node may not: the node
+    died or hung (`node_down`), or the prompt KV could not reach the decode node. The proxy
+    may continue the request elsewhere by re-prefilling the prompt plus the tokens so far."""
+
+    def __init__(self, url: str, message: str, node_down: bool) -> None:
+        super().__init__(502, message, type=SERVER_ERROR, code="backend_failure")
+        self.url = url
+        self.node_down = node_down
+
+
 TokenStream = AsyncGenerator[TokenChunk, None]
 
 

@@ -21,8 +21,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from common.node_messages import DecodeRequest, GenerateRequest, PrefillRequest, PrefillResult
-from proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenStream
+from proxy.backend import BackendError, GenerationRequest, NodeLost, TokenChunk, TokenStream
 from proxy.interstage import InterStageQueue, QueueEntry
+from proxy.metrics import DisaggMetrics
 from proxy.node_client import GENERATE_PATH, NodeClient, NodeStream, NodeUnreachable
 from proxy.node_state import Node, Role
 from proxy.nodes import NodeRegistry
@@ -34,12 +35,15 @@ log = logging.getLogger(__name__)
 class DisaggConfig:
     lease_s: float = 30.0  # the prefill lease; the inter-stage queue extends it while waiting
     node_attempts: int = 2  # nodes tried when one turns out unreachable before taking a request
+    migrate_limit: int = 1  # re-prefills of a started request after a node failure
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_s <= 3600:
             raise ValueError(f"lease_s must be in (0, 3600], got {self.lease_s}")
         if self.node_attempts < 1:
             raise ValueError(f"node_attempts must be >= 1, got {self.node_attempts}")
+        if not 0 <= self.migrate_limit <= 16:
+            raise ValueError(f"migrate_limit must be in [0, 16], got {self.migrate_limit}")
 
 
 class DisaggBackend:
@@ -51,14 +55,46 @@ class DisaggBackend:
         client: NodeClient,
         queue: InterStageQueue,
         config: DisaggConfig | None = None,
+        metrics: DisaggMetrics | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
         self.queue = queue
         self.config = config or DisaggConfig()
+        self.metrics = metrics
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
         self._admit()
+        emitted: list[int] = []  # token ids yielded so far, over every attempt
+        attempt = req
+        for migration in range(self.config.migrate_limit + 1):
+            try:
+                async for chunk in self._attempt(attempt):
+                    emitted += chunk.token_ids
+                    yield chunk
+                return
+            except NodeLost as e:
+                if (
+                    migration == self.config.migrate_limit
+                    or not emitted
+                    or len(emitted) >= req.sampling.max_tokens
+                ):
+                    raise
+                if e.node_down:
+                    self.registry.report_failure(e.url, e.message)
+                self._count("migrations", "started")
+                log.warning(
+                    "%s: %s; continuing after %d tokens by re-prefilling (migration %d of %d)",
+                    req.request_id,
+                    e.message,
+                    len(emitted),
+                    migration + 1,
+                    self.config.migrate_limit,
+                )
+                attempt = continuation(req, emitted, migration + 1)
+
+    async def _attempt(self, req: GenerationRequest) -> TokenStream:
+        """Prefill `req`, yield its first token, queue it for decode and relay the stream."""
         prefill_url, result = await self._prefill(req)
         first = TokenChunk([result.first_token_id], result.finish_reason)
         if result.kv is None:
@@ -74,6 +110,10 @@ class DisaggBackend:
         async with aclosing(relay(stream, self.client, self.queue, prefill_url)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    def _count(self, name: str, label: str) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, name).labels(label).inc()
 
     def _admit(self) -> None:
         """Refuse, before any prefill, what could only wait: no decode node is up, or the
@@ -98,6 +138,7 @@ class DisaggBackend:
                 return node.url, await self._prefill_on(node, msg)
             except NodeUnreachable as e:  # it did not take the request: try another node
                 self._unreachable(node, e, msg.request_id)
+                self._count("retries", "prefill")
                 tried.add(node.url)
                 if len(tried) >= self.config.node_attempts:
                     raise
@@ -183,6 +224,24 @@ def _unreachable(
     registry.report_failure(node.url, e.message)
     if e.maybe_received:
         client.cancel_soon(node.url, request_id)
+
+
+def continuation(req: GenerationRequest, emitted: list[int], n: int) -> GenerationRequest:
+    """`req` continued after `emitted`: the prompt grows by the tokens so far, max_tokens
+    shrinks by as many, and seeded sampling resumes at the same output index. A new request
+    id: nodes may still hold state under the old one until they notice the failure."""
+    sp = req.sampling
+    sampling = sp.model_copy(
+        update={
+            "max_tokens": sp.max_tokens - len(emitted),
+            "output_index_base": sp.output_index_base + len(emitted),
+        }
+    )
+    return GenerationRequest(
+        request_id=f"{req.request_id}~{n}",
+        prompt_token_ids=[*req.prompt_token_ids, *emitted],
+        sampling=sampling,
+    )
 
 
 async def relay(

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from common.node_messages import DecodeRequest, LeaseExtend
-from proxy.backend import BackendError
+from proxy.backend import BackendError, NodeLost
 from proxy.metrics import InterStageMetrics
 from proxy.node_client import DECODE_PATH, DecodeFull, NodeClient, NodeStream, NodeUnreachable
 from proxy.nodes import NodeRegistry
@@ -323,7 +323,7 @@ class InterStageQueue:
             self.metrics.lease_extensions.labels("error").inc()
             for entry in entries:
                 if entry.state is EntryState.QUEUED:
-                    self._fail(entry, BackendError.failed(f"lost the prefilled KV: {e.message}"))
+                    self._fail(entry, NodeLost(url, f"lost the prefilled KV: {e.message}", True))
             return
         except BackendError as e:  # timed out or failed: the next tick tries again
             self.metrics.lease_extensions.labels("error").inc()
@@ -340,8 +340,10 @@ class InterStageQueue:
                 entry.extended_at = sent_at
             elif entry.request_id in missing and entry.state is EntryState.QUEUED:
                 # OFFERING ones may be "missing" because their transfer already started.
-                error = BackendError.failed(
-                    "the prefill node no longer holds the request's KV (lease expired)"
+                error = NodeLost(
+                    entry.prefill_url,
+                    "the prefill node no longer holds the request's KV (lease expired)",
+                    node_down=False,
                 )
                 self._fail(entry, error, "expired")
 

@@ -27,8 +27,9 @@ from common.tokenizer import Tokenizer
 from proxy.admin import AdminRoutes
 from proxy.backend import TokenBackend
 from proxy.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from proxy.edge import EdgeConfig, EdgeGatedBackend, EdgeMetrics, EdgeQueue
 from proxy.interstage import InterStageConfig, InterStageQueue
-from proxy.metrics import InterStageMetrics, ProxyMetrics, metrics_handler
+from proxy.metrics import DisaggMetrics, InterStageMetrics, ProxyMetrics, metrics_handler
 from proxy.node_client import NodeClient
 from proxy.node_state import Role
 from proxy.nodes import NodeRegistry, RegistryConfig
@@ -64,8 +65,10 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
         for url in urls:
             registry.add(url, role)
     queue, backend = _backend(settings, registry, client, metrics)
+    edge_config = EdgeConfig(settings.max_active_requests, settings.edge_queue_capacity)
+    edge = EdgeQueue(edge_config, EdgeMetrics(metrics))
     app = build_app(
-        backend,
+        EdgeGatedBackend(backend, edge),
         tokenizer,
         settings.model_name(),
         max_model_len,
@@ -82,7 +85,7 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
 def _backend(
     settings: ProxySettings, registry: NodeRegistry, client: NodeClient, metrics: CollectorRegistry
 ) -> tuple[InterStageQueue | None, TokenBackend]:
-    config = DisaggConfig(lease_s=settings.lease_s)
+    config = DisaggConfig(lease_s=settings.lease_s, migrate_limit=settings.migrate_limit)
     if settings.colocated_mode:
         return None, ColocatedBackend(registry, client, config)
     queue_config = InterStageConfig(
@@ -92,7 +95,7 @@ def _backend(
     )
     queue = InterStageQueue(registry, client, InterStageMetrics(metrics), queue_config)
     registry.add_listener(lambda node: queue.notify_capacity())
-    return queue, DisaggBackend(registry, client, queue, config)
+    return queue, DisaggBackend(registry, client, queue, config, DisaggMetrics(metrics))
 
 
 def _health_check(registry: NodeRegistry, roles: set[Role]) -> HealthCheck:

@@ -138,6 +138,24 @@ class InterStageMetrics:
         )
 
 
+class DisaggMetrics:
+    """Recoveries of the disaggregated backend."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.migrations = Counter(
+            "pdserve_proxy_migrations",
+            "Started requests continued on other nodes after a node failure (re-prefill).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "pdserve_proxy_prefill_retries",
+            "Prefill calls retried on another node because one was unreachable.",
+            ["role"],
+            registry=registry,
+        )
+
+
 def metrics_handler(
     registry: CollectorRegistry,
 ) -> Callable[[web.Request], Awaitable[web.Response]]:

@@ -33,7 +33,7 @@ from common.node_messages import (
     from_json,
     to_json,
 )
-from proxy.backend import BackendError, TokenChunk
+from proxy.backend import BackendError, NodeLost, TokenChunk
 from proxy.errors import SERVER_ERROR
 from proxy.settings import NodeTimeouts
 
@@ -46,6 +46,7 @@ GENERATE_PATH = "/internal/generate"
 CANCEL_PATH = "/internal/cancel"
 JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_BODY = 64 * 1024
+KV_ERROR_CODES = frozenset({"kv_failed", "kv_timeout", "kv_handshake"})
 R = TypeVar("R", bound=Message)
 
 
@@ -95,7 +96,9 @@ class NodeStream:
         while True:
             line = await self._readline()
             if not line:
-                raise BackendError.failed(f"node {self.url} ended the stream without finishing")
+                raise NodeLost(
+                    self.url, f"node {self.url} ended the stream without finishing", True
+                )
             if line.strip():
                 return self._chunk(line)
 
@@ -106,11 +109,13 @@ class NodeStream:
         try:
             return await asyncio.wait_for(self._resp.content.readline(), self._read_timeout_s)
         except asyncio.TimeoutError:
-            raise BackendError.failed(
-                f"node {self.url} sent nothing for {self._read_timeout_s:g} s"
+            raise NodeLost(
+                self.url, f"node {self.url} sent nothing for {self._read_timeout_s:g} s", True
             ) from None
-        except (aiohttp.ClientError, ValueError) as e:  # ValueError: an over-long line
-            raise BackendError.failed(f"node {self.url} stream broke: {e!r}") from None
+        except aiohttp.ClientError as e:
+            raise NodeLost(self.url, f"node {self.url} stream broke: {e!r}", True) from None
+        except ValueError as e:  # an over-long line
+            raise BackendError.failed(f"node {self.url} sent a bad stream: {e!r}") from None
 
     def _chunk(self, line: bytes) -> TokenChunk:
         try:
@@ -120,7 +125,10 @@ class NodeStream:
         if delta.request_id != self.request_id:
             raise BackendError.failed(f"node {self.url} streamed tokens of another request")
         if delta.error is not None:
-            raise BackendError.failed(f"node {self.url} failed the request: {delta.error}")
+            message = f"node {self.url} failed the request: {delta.error}"
+            if delta.error_code in KV_ERROR_CODES:  # the KV never came: re-prefill may help
+                raise NodeLost(self.url, message, node_down=False)
+            raise BackendError.failed(message)
         return TokenChunk(list(delta.token_ids), delta.finish_reason)
 
 

@@ -41,6 +41,9 @@ class ProxySettings:
     colocated: tuple[str, ...] = ()
     mode: Mode = "disagg"  # colocated: route whole requests to `both` nodes
     lease_s: float = 30.0
+    max_active_requests: int = 512  # edge: requests inside the backend at once
+    edge_queue_capacity: int = 1024  # edge: requests waiting for a slot; beyond: 503
+    migrate_limit: int = 1  # times a stream may move to another decode node after a failure
     interstage_capacity: int = 256
     interstage_max_wait_s: float = 300.0
     poll_interval_s: float = 0.5
@@ -89,6 +92,18 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     )
     q = p.add_argument_group("routing and queues")
     q.add_argument("--lease-s", type=float, default=30.0, help="prefill KV lease, extended")
+    q.add_argument(
+        "--max-active-requests", type=int, default=512, help="requests past the edge queue"
+    )
+    q.add_argument(
+        "--edge-queue-capacity", type=int, default=1024, help="waiting requests; beyond: 503"
+    )
+    q.add_argument(
+        "--migrate-limit",
+        type=int,
+        default=1,
+        help="times a stream may be re-prefilled onto another decode node after a node failure",
+    )
     q.add_argument("--interstage-capacity", type=int, default=256)
     q.add_argument("--interstage-max-wait-s", type=float, default=300.0)
     q.add_argument("--poll-interval-s", type=float, default=0.5, help="node health/state poll")
@@ -142,6 +157,9 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         colocated=colocated,
         mode=args.mode or ("colocated" if colocated else "disagg"),
         lease_s=args.lease_s,
+        max_active_requests=args.max_active_requests,
+        edge_queue_capacity=args.edge_queue_capacity,
+        migrate_limit=args.migrate_limit,
         interstage_capacity=args.interstage_capacity,
         interstage_max_wait_s=args.interstage_max_wait_s,
         poll_interval_s=args.poll_interval_s,

@@ -83,7 +83,8 @@ class Cluster:
         self.kv_backend = kv_backend
         self.engine = {"num_blocks": 256, "threads": 1, **engine}
         self.procs: list[Proc] = []
-        self.proxy: Proc | None = None
+        self.proxy: Proc | None = None  # the last proxy started
+        self.proxies: list[Proc] = []
         self._logdir = Path(tempfile.mkdtemp(prefix="pdserve-e2e-"))
 
     def __enter__(self) -> Cluster:
@@ -168,11 +169,13 @@ class Cluster:
                 argv += [flag, ",".join(p.url for p in procs)]
         for key, value in extra.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
-        self.proxy = self._spawn("proxy", argv, f"http://127.0.0.1:{port}")
+        name = "proxy" if not self.proxies else f"proxy-{len(self.proxies)}"
+        self.proxy = self._spawn(name, argv, f"http://127.0.0.1:{port}")
+        self.proxies.append(self.proxy)
         return self.proxy
 
     def nodes(self) -> list[Proc]:
-        return [p for p in self.procs if p is not self.proxy]
+        return [p for p in self.procs if p not in self.proxies]
 
     def wait_baseline(self, timeout: float = 10.0) -> None:
         """Every live node: all blocks free and no request left."""
