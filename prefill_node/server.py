@@ -51,6 +51,10 @@ class PrefillNode(TransferNode):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.held = HeldTable()
 
+    async def start_role(self) -> None:
+        await super().start_role()
+        self.spawn(self._reap_leases(), "lease-reaper")
+
     def release_all(self) -> None:
         for entry in self.held.entries():
             self._release(entry.request_id, "shutdown")

@@ -82,6 +82,9 @@ class DisaggBackend:
                     raise
                 if e.node_down:
                     self.registry.report_failure(e.url, e.message)
+                if not self.registry.healthy(Role.DECODE):
+                    self._count("migrations", "no_decode_node")
+                    raise
                 self._count("migrations", "started")
                 log.warning(
                     "%s: %s; continuing after %d tokens by re-prefilling (migration %d of %d)",

@@ -182,7 +182,14 @@ class Cluster:
         deadline = time.monotonic() + timeout
         states: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            states = {p.name: p.state() for p in self.nodes() if p.alive()}
+            states = {}
+            for p in self.nodes():
+                if not p.alive():
+                    continue
+                try:
+                    states[p.name] = p.state()
+                except OSError as e:
+                    raise AssertionError(f"{p.name} at {p.url}: {e}\n{p.log_tail()}") from e
             if all(_at_baseline(s) for s in states.values()):
                 return
             time.sleep(0.05)
