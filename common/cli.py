@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_parser(sub)  # common.launcher
 
     sub.add_parser("bench-transfer", help="KV-transfer latency and bandwidth per backend")
+    sub.add_parser("bench-serve", help="OpenAI-API load generator: latency, throughput, goodput")
 
     t = sub.add_parser("make-tiny-model", help="write the built-in default model to DIR")
     t.add_argument("dir")
@@ -142,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         from kv_transfer.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["bench-serve"]:  # its own parser (proxy.bench_serve), --help included
+        from proxy.bench_serve import main as bench_serve_main
+
+        return bench_serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -24,4 +24,11 @@ Node pools (token ids in, token ids out):
 - `admin.py`: `GET|POST|DELETE /admin/nodes`.
 - `metrics.py`: Prometheus metrics (requests, TTFT, ITL, E2E, inter-stage queue).
 - `settings.py`, `main.py`: `pdserve proxy` (flags -> `ProxySettings` -> app -> serve).
+
+Serving benchmark (a client of the OpenAI surface, for any server):
+
+- `bench_serve.py`: `pdserve bench-serve` (flags, rate sweeps, JSON and plot files).
+- `bench_workload.py` (requests asked), `bench_client.py` (one timed SSE request),
+  `bench_load.py` (arrivals, concurrency cap, bounds), `bench_stats.py` (latency
+  distributions, throughput, goodput), `bench_report.py` (table, PNG plots).
 """

@@ -1,0 +1,116 @@
+"""`pdserve bench-serve` as a user runs it (a subprocess of the CLI) against a real proxy with
+a prefill and a decode node on loopback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.bench_serve import main
+from tests.e2e.cluster import Cluster, http_json
+from tests.e2e.conftest import start_cluster
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+REQUIRED = (
+    "sent",
+    "completed",
+    "failed",
+    "duration_s",
+    "request_throughput",
+    "output_token_throughput",
+    "goodput",
+    "config",
+    "errors",
+    *LATENCIES,
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
+    c = start_cluster(tiny_model_dir, (1, 1, 0))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _bench(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    assert cluster.proxy is not None
+    argv = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", cluster.proxy.url]
+    return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def _check_plausible(doc: dict[str, Any], requests: int, output_len: int) -> None:
+    assert set(REQUIRED) <= set(doc)
+    assert doc["sent"] == requests
+    assert doc["completed"] + doc["failed"] == doc["sent"]
+    assert doc["completed"] == requests, doc["errors"]
+    # ignore_eos + max_tokens: exactly output_len tokens each, counted by the usage chunk.
+    assert doc["output_tokens_source"] == "usage" and doc["short_outputs"] == 0
+    assert doc["total_output_tokens"] == requests * output_len
+    assert doc["total_input_tokens"] >= requests * 8
+    duration = doc["duration_s"]
+    assert 0 < duration < 60
+    assert doc["request_throughput"] == pytest.approx(requests / duration)
+    assert doc["output_token_throughput"] == pytest.approx(requests * output_len / duration)
+    for name in LATENCIES:
+        dist = doc[name]
+        assert all(isinstance(dist[k], float) for k in ("mean", "p50", "p90", "p99")), name
+        assert 0 <= dist["min"] <= dist["p50"] <= dist["p90"] <= dist["p99"] <= dist["max"]
+    ttft, tpot, e2el = doc["ttft_ms"], doc["tpot_ms"], doc["e2el_ms"]
+    for k in ("min", "p50", "p90", "p99", "max", "mean"):  # ttft <= e2el per request
+        assert ttft[k] <= e2el[k]
+    # e2el = ttft + (n - 1) * tpot per request, so the means add up too.
+    assert e2el["mean"] == pytest.approx(ttft["mean"] + (output_len - 1) * tpot["mean"])
+    assert doc["itl_ms"]["max"] <= e2el["max"]
+
+
+def test_bench_serve_against_a_disaggregated_cluster(cluster: Cluster, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    run = _bench(
+        cluster,
+        *("--num-requests", "12", "--max-concurrency", "4"),
+        *("--input-len", "16", "--output-len", "6"),
+        *("--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--slo-e2el-ms", "0.001"),
+        *("--json", str(out), "--plot-dir", str(tmp_path)),
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Serving Benchmark Result" in run.stdout and "Mean TTFT (ms)" in run.stdout
+    assert "12/12 done" in run.stderr  # the progress bar's last line
+    doc = json.loads(out.read_text())
+    _check_plausible(doc, requests=12, output_len=6)
+    assert doc["max_concurrent"] <= 4
+    assert doc["config"]["model"] == http_json(f"{cluster.proxy.url}/v1/models")["data"][0]["id"]
+    assert doc["goodput"] == 0.0  # nothing finishes within the 1 us e2e SLO
+    assert (tmp_path / "cdf-rateinf.png").stat().st_size > 0
+    cluster.wait_baseline()
+
+
+def test_bench_serve_chat_rate_sweep(
+    cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cluster.proxy is not None
+    status = main(  # in process this time: the CLI path is the test above
+        [
+            *("--base-url", cluster.proxy.url, "--endpoint", "chat"),
+            *("--rate", "20", "40", "--arrival", "fixed", "--num-requests", "6"),
+            *("--input-len", "8", "--output-len", "4", "--no-progress"),
+            *("--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"),
+            *("--json", str(tmp_path / "sweep.json"), "--plot-dir", str(tmp_path)),
+        ]
+    )
+    assert status == 0
+    assert "TTFT p99" in capsys.readouterr().out  # the sweep table
+    for rate in (20, 40):
+        doc = json.loads((tmp_path / f"sweep-rate{rate}.json").read_text())
+        assert doc["config"]["rate"] == rate and doc["config"]["endpoint"] == "chat"
+        _check_plausible(doc, requests=6, output_len=4)
+        assert doc["goodput"] == pytest.approx(doc["request_throughput"])
+    assert (tmp_path / "latency_vs_rate.png").stat().st_size > 0
+    cluster.wait_baseline()
