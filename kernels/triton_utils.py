@@ -7,6 +7,7 @@ variable must be set before any `kernels.triton_*` module is imported.
 
 from __future__ import annotations
 
+import torch
 from triton import knobs
 
 from kernels.checks import require
@@ -16,8 +17,6 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 def check_launchable(*tensors: object) -> None:
     """Compiled Triton needs CUDA tensors; the interpreter takes CPU ones."""
-    import torch
-
     for t in tensors:
         if isinstance(t, torch.Tensor):
             require(
@@ -28,7 +27,7 @@ def check_launchable(*tensors: object) -> None:
             )
 
 
-def dot_options(dtype: object) -> dict[str, object]:
+def dot_options(dtype: torch.dtype) -> dict[str, object]:
     """The WIDEN / DOT_PRECISION constexprs of the attention kernels for `dtype`.
 
     16-bit operands go to tl.dot as they are (tensor cores, float32 accumulate).
@@ -37,7 +36,5 @@ def dot_options(dtype: object) -> dict[str, object]:
     and cannot compute on it, loaded tiles are widened to float32 first: the same
     values (a 16-bit float is exact in float32), the same accumulation.
     """
-    import torch
-
     native = not INTERPRETED and dtype in (torch.bfloat16, torch.float16)
     return {"WIDEN": not native, "DOT_PRECISION": "tf32" if native else "ieee"}
