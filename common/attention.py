@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from kernels.dispatch import Kernels
 
 
 @dataclass
@@ -31,6 +31,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64
     decode_context_lens: torch.Tensor  # [num_decode] int64
     prefills: list[PrefillSlice]
+    kernels: Kernels  # the engine's kernel backend, resolved once (kernels/dispatch.py)
 
 
 def paged_attention(
@@ -43,20 +44,21 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] for the step's tokens. Returns [T, H, D]."""
-    store_kv(kv_cache, layer, k, v, meta.slot_mapping)
+    kern = meta.kernels
+    kern.store_kv(kv_cache, layer, k, v, meta.slot_mapping)
     if not meta.prefills:
-        return paged_decode_attention(
+        return kern.paged_decode_attention(
             q, kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens, scale
         )
     out = torch.empty_like(q)
     nd = meta.num_decode
     if nd:
-        out[:nd] = paged_decode_attention(
+        out[:nd] = kern.paged_decode_attention(
             q[:nd], kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens, scale
         )
     for p in meta.prefills:
         end = p.query_start + p.query_len
-        out[p.query_start : end] = paged_prefill_attention(
+        out[p.query_start : end] = kern.paged_prefill_attention(
             q[p.query_start : end], kv_cache, layer, p.block_table, p.start_pos, scale
         )
     return out

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 from common.config import EngineConfig
+from kernels.dispatch import BACKENDS
 
 
 def model_dir(arg: str | None) -> str:
@@ -33,6 +34,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument(
+        "--kernel-backend",
+        default=None,
+        choices=list(BACKENDS),
+        help="attention/KV kernels (default: $PDSERVE_KERNELS or auto: Triton on CUDA, "
+        "torch on CPU)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -46,6 +54,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         threads=args.threads,
+        kernel_backend=args.kernel_backend,
     )
 
 

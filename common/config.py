@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernels.dispatch import BACKENDS
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -17,6 +19,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget per step (prefill chunk bound)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     threads: int | None = None  # torch intra-op threads on CPU (None: torch default)
+    # auto | triton | torch; None: the process default ($PDSERVE_KERNELS, else auto).
+    # auto runs Triton on CUDA and the torch reference on CPU (kernels/dispatch.py).
+    kernel_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -29,3 +34,7 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
+            raise ValueError(
+                f"kernel_backend must be one of {', '.join(BACKENDS)}, got {self.kernel_backend!r}"
+            )

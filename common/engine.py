@@ -22,6 +22,7 @@ from common.sampling import SamplingParams
 from common.scheduler import Scheduler, StepOutput
 from common.sequence import FinishReason, Sequence
 from common.weights import load_model
+from kernels.dispatch import kernels_for
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,9 @@ class LLMEngine:
             self.max_model_len,
             mc.eos_token_ids,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self.kernels = kernels_for(config.device, config.kernel_backend)
+        log.info("kernels: %s on %s", self.kernels.name, config.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.kernels)
         self._inbox: deque[_Command] = deque()
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0

@@ -11,6 +11,7 @@ from common.model import LlamaForCausalLM
 from common.sampling import sample
 from common.scheduler import ScheduledBatch
 from common.sequence import Sequence
+from kernels.dispatch import Kernels
 
 
 @dataclass
@@ -23,10 +24,13 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, kernels: Kernels
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.kernels = kernels
         self.device = kv_cache.device
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -59,6 +63,7 @@ class ModelRunner:
             decode_block_tables=self._tensor(tables).view(len(decode), width),
             decode_context_lens=self._tensor([s.num_computed_tokens + 1 for s in decode]),
             prefills=prefills,
+            kernels=self.kernels,
         )
         return StepInputs(self._tensor(ids), self._tensor(positions), meta, rows, sample_seqs)
 

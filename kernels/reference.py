@@ -102,3 +102,28 @@ def paged_prefill_attention(
             qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
     return out.transpose(0, 1)
+
+
+def pack_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gather whole blocks into a contiguous staging buffer.
+
+    block_ids: [n] int. out (optional, e.g. a registered buffer reused across
+    transfers): [>= n, *kv_cache.shape[1:]]. Returns the [n, ...] staging tensor
+    (a prefix of `out` when given) whose row i is kv_cache[block_ids[i]].
+    """
+    if out is None:
+        return kv_cache.index_select(0, block_ids)
+    dst = out[: block_ids.shape[0]]
+    torch.index_select(kv_cache, 0, block_ids, out=dst)
+    return dst
+
+
+def unpack_blocks(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Scatter a staging buffer back: kv_cache[block_ids[i]] = staging[i].
+
+    staging: [>= n, *kv_cache.shape[1:]]; block_ids: [n] int, distinct (a block
+    written twice has no defined value).
+    """
+    kv_cache.index_copy_(0, block_ids, staging[: block_ids.shape[0]])

@@ -1,0 +1,41 @@
+"""The kernel scripts run: the benchmark's CPU smoke grid, and the CUDA compile check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_bench_kernels_prints_a_table() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ["scripts/bench_kernels.py", "--device", "cpu", "--batches", "1,3"]
+    res = _run([*args, "--contexts", "20,70", "--iters", "2", "--triton", "off"], env, 120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[1].split()[:5] == ["batch", "context", "triton", "torch_ref", "sdpa"]
+    rows = [line.split() for line in lines[2:]]
+    assert [r[:2] for r in rows] == [["1", "20"], ["1", "70"], ["3", "20"], ["3", "70"]]
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
+
+
+def test_kernels_compile_for_cuda(tmp_path: Path) -> None:
+    """Every kernel builds to a cubin for sm_90 (no GPU needed: compile only)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
+    res = _run(["scripts/compile_kernels.py", "--quick", "--arch", "90"], env, 300)
+    if res.returncode == 3:
+        pytest.skip(res.stderr.strip())
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("ok   sm_90") == 2, res.stdout
