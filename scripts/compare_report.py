@@ -40,7 +40,12 @@ HEADLINES = (
     ("TTFT p99", "ms", lambda r: r["ttft_ms"]["p99"], False),
     ("TPOT p99", "ms", lambda r: r["tpot_ms"]["p99"], False),
     ("goodput", "req/s", lambda r: r["goodput"], True),
+    ("met SLO", "%", lambda r: _percent(r["slo_attainment"]), True),
 )
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100 * fraction
 
 
 def _num(value: float | None, fmt: str = ".2f") -> str:
