@@ -7,6 +7,9 @@
 Nodes are started as `python -m common.cli node --role ...` on free loopback ports, each in
 its own session (Ctrl-C reaches only this process, which stops them in order) and, on Linux,
 with a parent-death signal so they never outlive it. Their output goes to one log file each.
+With `--pin-cores`, node i runs on its own `--threads-per-node` cores (cores
+[i*T, (i+1)*T) of this process's CPU set, prefill nodes first), set in the child before exec so
+every thread torch starts inherits it; the proxy, in this process, stays on the whole set.
 Start-up waits for every node's ready line (or a 200 from its /health); a node that exits or
 does not get ready in time fails the launch with the tail of its log. SIGINT/SIGTERM stop the
 proxy (draining in-flight requests), then the nodes (SIGTERM, SIGKILL after a grace period);
@@ -20,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -29,6 +33,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -56,6 +61,7 @@ class UpConfig:
     colocated: int = 0  # > 0: that many `both` nodes instead of prefill/decode pools
     kv_backend: str | None = None  # None: the node's default
     threads_per_node: int = 1
+    pin_cores: bool = False  # node i on cores [i*T, (i+1)*T) of ours, T = threads_per_node
     node_args: tuple[str, ...] = ()  # engine flags and extras, passed to every node
     startup_timeout_s: float = 180.0
     stop_grace_s: float = 20.0
@@ -73,11 +79,29 @@ class UpConfig:
             raise ValueError(f"--threads-per-node must be >= 1, got {self.threads_per_node}")
         if self.startup_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("--startup-timeout-s and --stop-grace-s must be positive")
+        if self.pin_cores:
+            self.node_cpus()  # enough cores for every node, or a clear error now
 
     def roles(self) -> list[str]:
         if self.colocated:
             return ["both"] * self.colocated
         return ["prefill"] * self.prefill + ["decode"] * self.decode
+
+    def node_cpus(self) -> list[frozenset[int] | None]:
+        """Each node's CPU set, in `roles()` order: None (inherit ours) unless `pin_cores`."""
+        nodes = len(self.roles())
+        if not self.pin_cores:
+            return [None] * nodes
+        if not hasattr(os, "sched_getaffinity"):
+            raise ValueError("--pin-cores needs CPU affinity (Linux)")
+        ours = sorted(os.sched_getaffinity(0))
+        t = self.threads_per_node
+        if nodes * t > len(ours):
+            raise ValueError(
+                f"--pin-cores needs {nodes} nodes x {t} threads = {nodes * t} cores; "
+                f"this process may use {len(ours)} ({_cpu_list(ours)})"
+            )
+        return [frozenset(ours[i * t : (i + 1) * t]) for i in range(nodes)]
 
 
 class LaunchError(Exception):
@@ -85,11 +109,20 @@ class LaunchError(Exception):
 
 
 class NodeProcess:
-    """One node child: started, watched (its output copied to a log file, the last lines
-    kept), and stopped by pid."""
+    """One node child: started (on `cpus` if given), watched (its output copied to a log file,
+    the last lines kept), and stopped by pid."""
 
-    def __init__(self, name: str, role: str, argv: list[str], url: str, log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        argv: list[str],
+        url: str,
+        log_path: Path,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
         self.name, self.role, self.argv, self.url, self.log_path = name, role, argv, url, log_path
+        self.cpus = cpus
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.ready = False
         self.stopping = False
@@ -111,7 +144,7 @@ class NodeProcess:
             stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_child_setup, self.cpus),
             limit=2**20,
         )
         self._pump = asyncio.get_running_loop().create_task(self._copy_output(log_file))
@@ -181,11 +214,18 @@ async def _health_ok(session: aiohttp.ClientSession, url: str) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when this process dies (Linux only)."""
+def _child_setup(cpus: frozenset[int] | None) -> None:
+    """In the child, before exec: SIGTERM it when this process dies (Linux only), and bind it
+    to `cpus` (threads started after exec, torch's included, inherit the binding)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
+def _cpu_list(cpus: Iterable[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 def free_port(host: str = NODE_HOST) -> int:
@@ -198,7 +238,7 @@ def free_port(host: str = NODE_HOST) -> int:
 def plan_nodes(cfg: UpConfig, log_dir: Path) -> list[NodeProcess]:
     nodes = []
     counts: dict[str, int] = {}
-    for role in cfg.roles():
+    for role, cpus in zip(cfg.roles(), cfg.node_cpus(), strict=True):
         index = counts[role] = counts.get(role, -1) + 1
         name = f"{role}-{index}"
         port = free_port()
@@ -209,7 +249,7 @@ def plan_nodes(cfg: UpConfig, log_dir: Path) -> list[NodeProcess]:
             argv += ["--kv-backend", cfg.kv_backend]
         argv += list(cfg.node_args)
         url = f"http://{NODE_HOST}:{port}"
-        nodes.append(NodeProcess(name, role, argv, url, log_dir / f"{name}.log"))
+        nodes.append(NodeProcess(name, role, argv, url, log_dir / f"{name}.log", cpus))
     return nodes
 
 
@@ -283,7 +323,7 @@ def _print_banner(
         '"max_tokens": 32, "stream": true}'
     )
     lines = [
-        *(f"  {n.name:<10} {n.url}  (pid {n.pid})" for n in nodes),
+        *(f"  {n.name:<10} {n.url}  (pid {n.pid}{_cpus_note(n.cpus)})" for n in nodes),
         f"pdserve proxy ready: {proxy.url}",
         f"node logs: {log_dir}",
         "try:",
@@ -292,6 +332,10 @@ def _print_banner(
         "Ctrl-C stops the proxy and every node.",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _cpus_note(cpus: frozenset[int] | None) -> str:
+    return "" if cpus is None else f", cpus {_cpu_list(cpus)}"
 
 
 async def _demo(url: str, model: str, prompt: str) -> None:
@@ -345,6 +389,12 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     p.add_argument("--kv-backend", choices=["nixl", "ucxx", "zmq"], default=None)
     p.add_argument("--threads-per-node", type=int, default=1, help="torch threads per node")
+    p.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="bind node i to cores [i*T, (i+1)*T) of this process's CPU set "
+        "(T = --threads-per-node; prefill nodes first); the proxy stays unbound",
+    )
     p.add_argument("--node-args", default="", help="more node flags, one shell-quoted string")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     p.add_argument("--stop-grace-s", type=float, default=20.0)
@@ -391,6 +441,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         colocated=args.colocated,
         kv_backend=args.kv_backend,
         threads_per_node=args.threads or args.threads_per_node,
+        pin_cores=args.pin_cores,
         node_args=tuple(engine_flags(args) + shlex.split(args.node_args)),
         startup_timeout_s=args.startup_timeout_s,
         stop_grace_s=args.stop_grace_s,

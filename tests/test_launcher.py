@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -97,3 +98,40 @@ def test_node_command_lines(tmp_path: Path) -> None:
     assert [n.role for n in both] == ["both"]
     with pytest.raises(ValueError):
         UpConfig(model="M", decode=0)
+
+
+def test_pin_cores_gives_each_node_its_own_cores(tmp_path: Path) -> None:
+    ours = sorted(os.sched_getaffinity(0))
+    cfg = UpConfig(model="M", prefill=1, decode=1, pin_cores=len(ours) >= 2)
+    if len(ours) >= 2:
+        assert cfg.node_cpus() == [frozenset(ours[:1]), frozenset(ours[1:2])]
+    nodes = plan_nodes(
+        UpConfig(model="M", colocated=1, threads_per_node=len(ours), pin_cores=True), tmp_path
+    )
+    assert [n.cpus for n in nodes] == [frozenset(ours)]
+    assert plan_nodes(UpConfig(model="M"), tmp_path)[0].cpus is None
+    with pytest.raises(ValueError, match="--pin-cores needs"):
+        UpConfig(model="M", colocated=1, threads_per_node=len(ours) + 1, pin_cores=True)
+
+
+def test_a_pinned_node_runs_on_its_cores(tmp_path: Path) -> None:
+    core = min(os.sched_getaffinity(0))
+    code = f"import os; print('cpus', sorted(os.sched_getaffinity(0)), flush=True); {READY}"
+
+    async def body() -> None:
+        node = NodeProcess(
+            "pinned",
+            "prefill",
+            [sys.executable, "-c", code],
+            "http://127.0.0.1:9",
+            tmp_path / "pinned.log",
+            frozenset({core}),
+        )
+        await node.start()
+        try:
+            await node.wait_ready(10.0)
+        finally:
+            await node.stop(5.0)
+        assert f"cpus [{core}]" in (tmp_path / "pinned.log").read_text()
+
+    asyncio.run(asyncio.wait_for(body(), 30))

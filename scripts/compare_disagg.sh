@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# Colocated vs disaggregated on the same two cores, under a prefill-heavy mixed workload.
+#
+#   scripts/compare_disagg.sh [--quick] [--out DIR]
+#
+# Runs the same seeded bench-serve workload (many short-prompt/long-output requests, the
+# ongoing decodes, with long-prompt/short-output requests arriving among them; see
+# scripts/mixed_workload.py) against, one after the other:
+#   colocated  `pdserve up --colocated --threads-per-node 2 --pin-cores`: one node doing both
+#              prefill and decode, torch on 2 threads, bound to cores 0-1;
+#   disagg     `pdserve up --prefill 1 --decode 1 --pin-cores`: the prefill node bound to core 0,
+#              the decode node to core 1, one torch thread each.
+# ("cores 0-1" are the first two of the CPUs this script may use.) The proxy (the `pdserve up`
+# process itself) and the benchmark client are not bound: in both deployments they float over
+# the same cores and take the same share, so neither deployment gets a core the other lacks.
+# Each deployment gets a free port, is ready when its /health answers 200, is warmed up with a
+# few requests, benchmarked, then stopped by pid (SIGTERM, SIGKILL after a grace period); an
+# EXIT trap stops whatever is still running. Then scripts/compare_report.py writes
+# DIR/report.md: both rows side by side (TTFT, TPOT, ITL p50/p99, goodput at one SLO), who wins,
+# and the bench-serve plots. Per deployment DIR/NAME/ holds bench.json, bench.txt, up.log, node
+# logs and the PNGs.
+#
+# Default length ~3-6 min on a 2-core machine; --quick (~2 min) is a smoke run: its numbers
+# mean little. Settings (environment; the defaults are fixed, not derived from a run):
+#   COMPARE_OUT               output directory (default out/compare, relative to the current
+#                             directory; --out wins)
+#   COMPARE_RATE              Poisson arrival rate, req/s (default 1)
+#   COMPARE_NUM_REQUESTS      measured requests per deployment (default 120; --quick 16)
+#   COMPARE_WARMUP_REQUESTS   unmeasured requests first (default 4; --quick 2)
+#   COMPARE_LONG_FRACTION     share of long-prompt requests (default 0.2)
+#   COMPARE_LONG_INPUT        long prompt tokens, +-20% (default 1250: 1000-1500)
+#   COMPARE_SHORT_OUTPUT      output tokens of the short-prompt requests, +-20% (default 160)
+#   COMPARE_SLO_TTFT_MS       goodput SLO on TTFT (default 2000)
+#   COMPARE_SLO_TPOT_MS       goodput SLO on TPOT (default 50)
+#   COMPARE_MAX_CONCURRENCY   cap on requests in flight (default 32)
+#   COMPARE_SEED              dataset, order and arrivals (default 0)
+#   COMPARE_UP_ARGS           more `pdserve up` flags for both, e.g. "--kv-backend zmq"
+#   COMPARE_STARTUP_TIMEOUT_S per deployment (default 240)
+#   PDSERVE_PYTHON            the Python with pdserve installed (default .venv/bin/python if
+#                             present, else python3); run from this checkout (PYTHONPATH)
+set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
+
+quick=0
+out="${COMPARE_OUT:-out/compare}"
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --quick) quick=1 ;;
+        --out) out="${2:?--out needs a directory}"; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "compare_disagg: unknown argument $1 (try --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"  # relative to where the script was started, before the cd below
+cd "$repo"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+py="${PDSERVE_PYTHON:-}"
+if [[ -z "$py" ]]; then
+    if [[ -x .venv/bin/python ]]; then py=.venv/bin/python; else py=python3; fi
+fi
+command -v curl >/dev/null || { echo "compare_disagg: needs curl" >&2; exit 2; }
+
+rate="${COMPARE_RATE:-1}"
+if (( quick )); then num_default=16 warmup_default=2; else num_default=120 warmup_default=4; fi
+num="${COMPARE_NUM_REQUESTS:-$num_default}"
+warmup="${COMPARE_WARMUP_REQUESTS:-$warmup_default}"
+long_fraction="${COMPARE_LONG_FRACTION:-0.2}"
+long_input="${COMPARE_LONG_INPUT:-1250}"
+short_output="${COMPARE_SHORT_OUTPUT:-160}"
+slo_ttft="${COMPARE_SLO_TTFT_MS:-2000}"
+slo_tpot="${COMPARE_SLO_TPOT_MS:-50}"
+max_conc="${COMPARE_MAX_CONCURRENCY:-32}"
+seed="${COMPARE_SEED:-0}"
+read -ra up_extra <<< "${COMPARE_UP_ARGS:-}"
+startup_timeout="${COMPARE_STARTUP_TIMEOUT_S:-240}"
+stop_grace=60        # seconds for `pdserve up` to drain and stop its nodes after SIGTERM
+request_timeout=120  # per request; the drain at the end of a run waits no longer either
+
+say() { echo "[compare $(date +%T)] $*" >&2; }
+
+up_pid=""
+stop_deployment() {
+    [[ -n "$up_pid" ]] || return 0
+    local pid="$up_pid"
+    up_pid=""
+    if kill -0 "$pid" 2>/dev/null; then
+        # SIGTERM, not SIGINT: a background job of a non-interactive shell starts with SIGINT
+        # ignored, so SIGINT would be lost if it came before `pdserve up` set its handlers.
+        say "stopping pdserve up (pid $pid)"
+        kill -TERM "$pid" 2>/dev/null || true
+        local waited=0
+        while kill -0 "$pid" 2>/dev/null && (( waited < stop_grace * 2 )); do
+            sleep 0.5; waited=$((waited + 1))
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            say "pid $pid still running after ${stop_grace}s: SIGKILL (its nodes die with it)"
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
+    fi
+    wait "$pid" 2>/dev/null || true
+}
+trap stop_deployment EXIT
+trap 'exit 130' INT TERM
+
+# start_deployment NAME UP-FLAGS...: sets up_pid and url, returns once /health answers 200.
+start_deployment() {
+    local name="$1"; shift
+    local dir="$out/$name" port
+    port="$("$py" -c 'from common.launcher import free_port; print(free_port())')"
+    url="http://127.0.0.1:$port"
+    say "$name: pdserve up $* on $url"
+    "$py" -m common.cli up --host 127.0.0.1 --port "$port" --log-dir "$dir/node-logs" \
+        --startup-timeout-s "$startup_timeout" "$@" ${up_extra[@]+"${up_extra[@]}"} \
+        >"$dir/up.log" 2>&1 &
+    up_pid=$!
+    local deadline=$((SECONDS + startup_timeout + 30))
+    until curl -sf --max-time 2 -o /dev/null "$url/health"; do
+        if ! kill -0 "$up_pid" 2>/dev/null || (( SECONDS > deadline )); then
+            say "$name did not get ready; the end of $dir/up.log:"
+            tail -n 30 "$dir/up.log" >&2
+            exit 1
+        fi
+        sleep 0.5
+    done
+    grep -E '^  (both|prefill|decode)-' "$dir/up.log" >&2 || true
+}
+
+bench() {  # bench NAME: warm-up, then the measured run into $out/NAME/
+    local name="$1" dir="$out/$1"
+    local common=(--base-url "$url" --endpoint completions --dataset "$dataset" --seed "$seed"
+                  --max-concurrency "$max_conc" --request-timeout-s "$request_timeout"
+                  --drain-timeout-s "$request_timeout" --no-progress)
+    if (( warmup > 0 )); then
+        say "$name: warm-up, $warmup requests"
+        "$py" -m common.cli bench-serve "${common[@]}" --num-requests "$warmup" --rate inf \
+            --seed $((seed + 1)) >"$dir/warmup.txt"
+    fi
+    loadavg+=("$name: load average before the run $(cut -d' ' -f1-3 /proc/loadavg)")
+    say "$name: $num requests at $rate req/s"
+    "$py" -m common.cli bench-serve "${common[@]}" --num-requests "$num" --rate "$rate" \
+        --slo-ttft-ms "$slo_ttft" --slo-tpot-ms "$slo_tpot" \
+        --json "$dir/bench.json" --plot-dir "$dir" | tee "$dir/bench.txt"
+}
+
+rm -rf "$out/colocated" "$out/disagg"
+mkdir -p "$out/colocated" "$out/disagg"
+dataset="$out/mixed.jsonl"
+"$py" scripts/mixed_workload.py --out "$dataset" --num-requests "$num" --seed "$seed" \
+    --long-fraction "$long_fraction" --long-input "$long_input" --short-output "$short_output"
+cpus="$("$py" -c 'import os; print(len(os.sched_getaffinity(0)))')"
+loadavg=()
+
+start_deployment colocated --colocated --threads-per-node 2 --pin-cores
+bench colocated
+stop_deployment
+
+start_deployment disagg --prefill 1 --decode 1 --threads-per-node 1 --pin-cores
+bench disagg
+stop_deployment
+
+context=(
+    "machine: $cpus CPUs usable ($(nproc --all) online); nodes bound to the first two, the proxy and the client unbound (they float over the same cores in both deployments)"
+    "workload: $num requests; $(awk -v f="$long_fraction" 'BEGIN{printf "%.0f%%", (1-f)*100}') short prompt (~48 tokens) / long output (~$short_output tokens), the rest long prompt (~$long_input tokens +-20%) / short output (~12 tokens); prompt lengths exact in the model's tokens"
+    "warm-up: $warmup unmeasured requests per deployment"
+    "${loadavg[@]}"
+)
+if (( quick )); then context=("**quick smoke run: too few requests for stable p99s**" "${context[@]}"); fi
+ctx_args=()
+for line in "${context[@]}"; do ctx_args+=(--context "$line"); done
+"$py" scripts/compare_report.py --colocated "$out/colocated" --disagg "$out/disagg" \
+    --out "$out/report.md" "${ctx_args[@]}"
+say "report: $out/report.md"
