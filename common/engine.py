@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from common.model_config import ModelConfig
 from common.model_runner import ModelRunner
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, StepOutput
-from common.sequence import FinishReason, Sequence
+from common.sequence import FinishReason, SeqStatus, Sequence
 from common.weights import load_model
 from kernels.dispatch import kernels_for
 
@@ -168,6 +169,15 @@ class LLMEngine:
         seq.num_prompt_tokens = len(prompt_token_ids)
         self._inbox.append(_AdmitPrefilled(seq))
 
+    def stage_of(self, request_id: str) -> str | None:
+        """Where the request is: "queued" (not scheduled yet, or preempted), "running", or
+        None if this engine does not know it. A snapshot, safe from any thread."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            return "running" if seq.status is SeqStatus.RUNNING else "queued"
+        with self._lock:
+            return "queued" if request_id in self._known_ids else None
+
     def abort_request(self, request_id: str) -> None:
         self._inbox.append(_Abort(request_id))
 
@@ -241,6 +251,7 @@ class LLMEngine:
         self.allocator.transition(blocks, BlockState.USED)
         seq.block_table = blocks
         seq.num_computed_tokens = seq.num_tokens - 1  # all but the first token's KV
+        seq.scheduled_time = time.time()
         self._seqs[seq.request_id] = seq
         self.scheduler.add_running(seq)
 

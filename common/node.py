@@ -27,7 +27,7 @@ from common.engine_loop import AsyncEngine
 from common.errors import SERVER_ERROR, ApiError, error_response, invalid_request
 from common.fingerprint import Fingerprint
 from common.messages import Cancel, MessageError
-from common.node_messages import CancelResult, T, TokenDelta, from_json, to_json
+from common.node_messages import CancelResult, NodeEvent, T, TokenDelta, from_json, to_json
 from common.node_metrics import NodeMetrics
 from common.scheduler import StepOutput
 from kv_transfer.config import TransferConfig
@@ -162,16 +162,29 @@ class Node:
 
     async def handle_cancel(self, request: web.Request) -> web.Response:
         msg = await read_message(request, Cancel)
-        found = await self.cancel(msg.request_id)
-        if found:
-            self.metrics.cancellations.labels(stage="node").inc()
-        return json_message(CancelResult(request_id=msg.request_id, found=found))
+        stage = await self.cancel(msg.request_id)
+        if stage is not None:
+            self.metrics.cancellations.labels(stage=stage).inc()
+        return json_message(
+            CancelResult(request_id=msg.request_id, found=stage is not None, stage=stage)
+        )
 
-    async def cancel(self, request_id: str) -> bool:
-        """End `request_id` wherever it is on this node; True if it was here."""
-        assert self.front is not None
+    async def cancel(self, request_id: str) -> str | None:
+        """End `request_id` wherever it is on this node; the stage it was found in (queued,
+        running, held, transfer, reserved), or None if it was not here."""
+        assert self.front is not None and self.engine is not None
+        stage = self.engine.stage_of(request_id)
         self.front.abort(request_id)
-        return True
+        return stage
+
+    def engine_events(
+        self, out: StepOutput, queue: str, admitted: str, first: str
+    ) -> list[NodeEvent]:
+        """Trace events from a request's first output, and its queue wait as a metric."""
+        assert out.times is not None
+        arrival, scheduled = out.times
+        self.metrics.queue_wait.labels(queue).observe(max(0.0, scheduled - arrival))
+        return [(admitted, scheduled), (first, time.time())]
 
     # -- state -------------------------------------------------------------------
 
@@ -209,6 +222,7 @@ class Node:
                 "reserved": reqs["reserved"],
                 "free_blocks": blocks["free"],
                 "block_size": cfg.block_size,
+                "block_bytes": self.engine.block_bytes,
             },
             "queued_prefill_tokens": sum(
                 s.num_uncomputed for s in list(self.engine.scheduler.waiting)
@@ -266,11 +280,13 @@ async def stream_outputs(
     request_id: str,
     outputs: AsyncIterator[StepOutput],
     resp: web.StreamResponse | None = None,
+    on_first: Callable[[StepOutput], list[NodeEvent]] | None = None,
 ) -> web.StreamResponse:
     """Write engine outputs as NDJSON TokenDelta lines until the request finishes.
 
-    `resp` may already be prepared. A disconnect cancels this handler; closing
-    `outputs` then aborts the request.
+    `resp` may already be prepared. `on_first(output)` gives the trace events the first line
+    carries (called for the output that has the request's engine times). A disconnect
+    cancels this handler; closing `outputs` then aborts the request.
     """
     if resp is None:
         resp = ndjson_response()
@@ -278,8 +294,12 @@ async def stream_outputs(
     try:
         async for out in outputs:
             reason = out.finish_reason.value if out.finish_reason is not None else None
+            events = on_first(out) if on_first is not None and out.times is not None else []
             delta = TokenDelta(
-                request_id=request_id, token_ids=out.new_token_ids, finish_reason=reason
+                request_id=request_id,
+                token_ids=out.new_token_ids,
+                finish_reason=reason,
+                events=events,
             )
             await resp.write(to_json(delta) + b"\n")
     except RuntimeError as e:  # the engine died mid-stream

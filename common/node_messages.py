@@ -63,6 +63,10 @@ class KVHandle(BaseModel):
     lease_deadline: float  # unix time; the blocks are freed after it unless extended
 
 
+# A boundary a node saw, for the request's ownership trace: (event, wall-clock seconds).
+NodeEvent = tuple[str, float]
+
+
 @register
 class PrefillRequest(Message):
     type: Literal["prefill_request"] = "prefill_request"
@@ -79,6 +83,7 @@ class PrefillResult(Message):
     first_token_id: int
     finish_reason: FinishReasonName | None  # set if the request ended at its first token
     kv: KVHandle | None  # set iff finish_reason is None
+    events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # for the trace
 
 
 @register
@@ -109,6 +114,7 @@ class TokenDelta(Message):
     finish_reason: FinishReasonName | None = None
     error: str | None = None
     error_code: str | None = None  # e.g. kv_failed, kv_timeout: the proxy may retry elsewhere
+    events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # first line only
 
 
 @register
@@ -130,6 +136,7 @@ class CancelResult(Message):
     type: Literal["cancel_result"] = "cancel_result"
     request_id: str
     found: bool
+    stage: str | None = None  # where the node found it (queued, computing, held, ...)
 
 
 __all__ = [

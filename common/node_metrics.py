@@ -39,6 +39,9 @@ class _StateCollector(Collector):
         yield d
 
 
+CANCEL_STAGES = ("queued", "running", "held", "transfer", "reserved")
+
+
 class NodeMetrics:
     def __init__(
         self, registry: CollectorRegistry, role: str, state: Callable[[], dict[str, object]]
@@ -50,6 +53,13 @@ class NodeMetrics:
         )
         self.cancellations = Counter(
             "pdserve_cancellations_total", "Cancellations by stage", ["stage"], registry=registry
+        )
+        self.queue_wait = Histogram(
+            "pdserve_queue_wait_seconds",
+            "Time a request waited in this node's engine queue before it was first scheduled.",
+            ["queue"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
         )
         self.lease_expiries = Counter(
             "pdserve_lease_expiries_total",
@@ -76,3 +86,9 @@ class NodeMetrics:
         self.transfer_failures = Counter(
             "pdserve_transfer_failures_total", "Failed KV transfers", ["reason"], registry=registry
         )
+        # Every label a family can take, at zero, so each family is there from the start.
+        for stage in CANCEL_STAGES:
+            self.cancellations.labels(stage=stage)
+        for reason in ("peer_lost", "backend_error", "aborted_by_peer", "closed"):
+            self.transfer_failures.labels(reason=reason)
+        self.queue_wait.labels("prefill" if role == "prefill" else "decode")

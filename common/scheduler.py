@@ -12,6 +12,7 @@ recomputed. A sequence samples a token when its step computes its last token.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ class StepOutput:
     # Prefill role: the prompt's KV blocks, now HELD, when the request stops here
     # to be decoded elsewhere (finished is True, finish_reason None).
     held_blocks: list[int] | None = None
+    # On a request's first output only: (arrival, first scheduled), wall-clock seconds.
+    times: tuple[float, float] | None = None
 
 
 class Scheduler:
@@ -118,6 +121,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.transition(SeqStatus.RUNNING)
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.time()
             self._grow(seq, n)
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             entries.append((seq, n))
@@ -143,9 +148,12 @@ class Scheduler:
                 self.running.remove(seq)
                 self._finish(seq, reason)
             elif seq.hold_kv:
-                outputs.append(StepOutput(seq.request_id, [token], True, None, self._hold(seq)))
+                held = self._hold(seq)
+                outputs.append(StepOutput(seq.request_id, [token], True, None, held, _times(seq)))
                 continue
-            outputs.append(StepOutput(seq.request_id, [token], reason is not None, reason))
+            outputs.append(
+                StepOutput(seq.request_id, [token], reason is not None, reason, None, _times(seq))
+            )
         return outputs
 
     def _hold(self, seq: Sequence) -> list[int]:
@@ -212,3 +220,11 @@ class Scheduler:
             batch.num_new.append(n)
         batch.num_decode = len(decode)
         return batch
+
+
+def _times(seq: Sequence) -> tuple[float, float] | None:
+    """(arrival, first scheduled) the first time `seq` produces output, else None."""
+    if seq.times_reported:
+        return None
+    seq.times_reported = True
+    return seq.arrival_time, seq.scheduled_time or seq.arrival_time

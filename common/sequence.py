@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from enum import Enum
 
 from common.sampling import SamplingParams
@@ -48,6 +49,10 @@ class Sequence:
         # Prefill role: after the first token, keep the prompt's KV blocks (HELD)
         # for transfer instead of decoding on.
         self.hold_kv = hold_kv
+        # Wall-clock seconds, for the request's trace and queue-wait metrics.
+        self.arrival_time = time.time()
+        self.scheduled_time: float | None = None  # first scheduled (left the queue)
+        self.times_reported = False
 
     def transition(self, new: SeqStatus) -> None:
         if new not in _LEGAL[self.status]:

@@ -6,10 +6,13 @@ from POST /internal/generate, with no KV transfer.
 
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from common.node import Node, read_message, stream_outputs
-from common.node_messages import GenerateRequest
+from common.node_messages import GenerateRequest, NodeEvent
+from common.scheduler import StepOutput
 
 
 class ColocatedNode(Node):
@@ -20,8 +23,14 @@ class ColocatedNode(Node):
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         self.check_admitting()
+        received = time.time()
         msg = await read_message(request, GenerateRequest)
         assert self.front is not None
         outputs = self.front.generate(msg.request_id, msg.prompt_token_ids, msg.sampling)
         self.metrics.requests.labels(outcome="admitted").inc()
-        return await stream_outputs(request, msg.request_id, outputs)
+
+        def first(out: StepOutput) -> list[NodeEvent]:
+            events = self.engine_events(out, "prefill", "prefill admitted", "prefill done")
+            return [("generate received", received), *events]
+
+        return await stream_outputs(request, msg.request_id, outputs, None, first)

@@ -43,6 +43,7 @@ class Incoming:
     cancelled: bool = False  # the proxy asked to cancel
     abandoned: bool = False  # no handler waits any more: free on the terminal event
     failure: str = ""
+    events: list[tuple[str, float]] = field(default_factory=list)  # for the trace
     created: float = field(default_factory=time.monotonic)
 
     def transition(self, new: InState) -> None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from aiohttp import web
 
 from common.errors import SERVER_ERROR, ApiError, invalid_request
 from common.node import ndjson_response, read_message, stream_outputs, write_error_line
-from common.node_messages import DecodeRequest
+from common.node_messages import DecodeRequest, NodeEvent
+from common.scheduler import StepOutput
 from common.transfer_node import TransferNode
 from decode_node.incoming import Incoming, InState
 from kv_transfer import (
@@ -57,6 +59,7 @@ class DecodeNode(TransferNode):
 
     async def handle_decode(self, request: web.Request) -> web.StreamResponse:
         self.check_admitting()
+        received = time.time()
         msg = await read_message(request, DecodeRequest)
         assert self.engine is not None and self.front is not None
         self.engine.validate(msg.prompt_token_ids, msg.sampling)
@@ -70,6 +73,7 @@ class DecodeNode(TransferNode):
                 f"tokens; this node needs {len(blocks)} (block sizes differ?)"
             )
         entry = Incoming(msg.request_id, blocks, asyncio.get_running_loop().create_future())
+        entry.events += [("decode received", received), ("decode reserved", time.time())]
         self.incoming[msg.request_id] = entry
         # Headers go out once the blocks are reserved: the proxy's dispatcher moves
         # on to the next queued request while this one's KV is in flight.
@@ -90,7 +94,13 @@ class DecodeNode(TransferNode):
             msg.request_id, msg.prompt_token_ids, msg.first_token_id, msg.sampling
         )
         self.metrics.requests.labels(outcome="admitted").inc()
-        return await stream_outputs(request, msg.request_id, outputs, resp)
+
+        def first(out: StepOutput) -> list[NodeEvent]:
+            return entry.events + self.engine_events(
+                out, "decode", "decode admitted", "first decode token"
+            )
+
+        return await stream_outputs(request, msg.request_id, outputs, resp, first)
 
     async def _receive(self, entry: Incoming, msg: DecodeRequest) -> None:
         """Pull the KV into entry.blocks; return once it landed, else raise ApiError."""
@@ -106,6 +116,7 @@ class DecodeNode(TransferNode):
             ) from None
         entry.peer_id = peer_id
         entry.transition(InState.RECEIVING)
+        entry.events.append(("transfer start", time.time()))
         try:
             landed = await asyncio.wait_for(
                 asyncio.shield(entry.done), self.config.kv_wait_timeout_s
@@ -124,6 +135,7 @@ class DecodeNode(TransferNode):
                 code=code,
             )
         entry.transition(InState.LANDED)
+        entry.events.append(("transfer done", time.time()))
 
     async def _peer(self, address: str) -> str:
         assert self.agent is not None
@@ -140,7 +152,7 @@ class DecodeNode(TransferNode):
 
     # -- cancel and release ------------------------------------------------------
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, request_id: str) -> str | None:
         entry = self.incoming.get(request_id)
         if entry is None:
             return await super().cancel(request_id)  # running: the engine aborts it
@@ -148,7 +160,8 @@ class DecodeNode(TransferNode):
         if entry.state is InState.RECEIVING:
             assert self.agent is not None
             self.agent.abort(request_id)  # the handler returns on the terminal event
-        return True
+            return "transfer"
+        return "reserved"
 
     def _abandon(self, entry: Incoming) -> None:
         """The handler is gone (cancelled, timed out, failed): free when it is safe."""

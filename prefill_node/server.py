@@ -24,6 +24,7 @@ from common.node_messages import (
     KVHandle,
     LeaseExtend,
     LeaseExtendResult,
+    NodeEvent,
     PrefillRequest,
     PrefillResult,
 )
@@ -76,15 +77,19 @@ class PrefillNode(TransferNode):
 
     async def handle_prefill(self, request: web.Request) -> web.Response:
         self.check_admitting()
+        received = time.time()
         msg = await read_message(request, PrefillRequest)
         assert self.front is not None and self.agent is not None
         outputs = self.front.generate(
             msg.request_id, msg.prompt_token_ids, msg.sampling, hold_kv=True
         )
         final: StepOutput | None = None
+        events: list[NodeEvent] = [("prefill received", received)]
         try:
             async for out in outputs:  # exactly one output: the first token (or an abort)
                 final = out
+                if out.times is not None:
+                    events += self.engine_events(out, "prefill", "prefill admitted", "prefill done")
                 if out.held_blocks is not None:
                     # No await between the engine's hold and this: a cancelled handler
                     # either never saw the hold (the engine frees it on abort) or holds it.
@@ -96,7 +101,10 @@ class PrefillNode(TransferNode):
             self.metrics.requests.labels(outcome="cancelled").inc()
             raise ApiError(409, f"request {msg.request_id} was cancelled", code="cancelled")
         self.metrics.requests.labels(outcome="prefilled").inc()
-        return json_message(self._result(msg, final))
+        result = self._result(msg, final)
+        if result.kv is not None:
+            events.append(("held", time.time()))
+        return json_message(result.model_copy(update={"events": events}))
 
     def _hold(self, msg: PrefillRequest, blocks: list[int]) -> None:
         lease = Lease.grant(msg.request_id, blocks, msg.lease_s)
@@ -136,17 +144,18 @@ class PrefillNode(TransferNode):
 
     # -- cancel, expiry, release ---------------------------------------------------
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, request_id: str) -> str | None:
         entry = self.held.get(request_id)
         if entry is None:  # still queued or computing: the engine aborts it
             return await super().cancel(request_id)
         if entry.state is HeldState.HELD:
             self._release(request_id, "cancelled")
-        else:  # SENDING: stop the write; the blocks go when it is quiescent
-            entry.cancel_requested = True
-            assert self.agent is not None
-            self.agent.abort(request_id)
-        return True
+            return "held"
+        # SENDING: stop the write; the blocks go when it is quiescent
+        entry.cancel_requested = True
+        assert self.agent is not None
+        self.agent.abort(request_id)
+        return "transfer"
 
     async def _reap_leases(self) -> None:
         while True:

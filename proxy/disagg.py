@@ -27,6 +27,7 @@ from proxy.metrics import DisaggMetrics
 from proxy.node_client import GENERATE_PATH, NodeClient, NodeStream, NodeUnreachable
 from proxy.node_state import Node, Role
 from proxy.nodes import NodeRegistry
+from proxy.trace import TraceStore
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,14 @@ class DisaggBackend:
         queue: InterStageQueue,
         config: DisaggConfig | None = None,
         metrics: DisaggMetrics | None = None,
+        traces: TraceStore | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
         self.queue = queue
         self.config = config or DisaggConfig()
         self.metrics = metrics
+        self.traces = traces or TraceStore(1)
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
         self._admit()
@@ -86,6 +89,9 @@ class DisaggBackend:
                     self._count("migrations", "no_decode_node")
                     raise
                 self._count("migrations", "started")
+                self.traces.record(
+                    req.request_id, "migrating", detail=f"after {len(emitted)} tokens: {e.message}"
+                )
                 log.warning(
                     "%s: %s; continuing after %d tokens by re-prefilling (migration %d of %d)",
                     req.request_id,
@@ -104,13 +110,17 @@ class DisaggBackend:
             yield first
             return
         entry = self._enqueue(req, result, prefill_url)
+        self.traces.record(req.request_id, "inter-stage queued")
         try:
             yield first
             stream = await self.queue.wait(entry)
         except BaseException:  # GeneratorExit, CancelledError, the entry's BackendError
             self.queue.cancel(entry)
             raise
-        async with aclosing(relay(stream, self.client, self.queue, prefill_url)) as chunks:
+        self.traces.record(req.request_id, "dispatched", detail=stream.url)
+        async with aclosing(
+            relay(stream, self.client, self.queue, prefill_url, self.traces)
+        ) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -150,6 +160,7 @@ class DisaggBackend:
         _unreachable(self.registry, self.client, node, e, request_id)
 
     async def _prefill_on(self, node: Node, msg: PrefillRequest) -> PrefillResult:
+        self.traces.record(msg.request_id, "routed", detail=f"prefill {node.url}")
         with self.registry.track(node, len(msg.prompt_token_ids)):
             try:
                 result = await self.client.prefill(node.url, msg)
@@ -164,6 +175,7 @@ class DisaggBackend:
         ):
             self.client.cancel_soon(node.url, msg.request_id)
             raise BackendError.failed(f"prefill node {node.url} answered an inconsistent result")
+        self.traces.record_node(msg.request_id, node.url, result.events)
         return result
 
     def _enqueue(
@@ -188,15 +200,20 @@ class ColocatedBackend:
     """`TokenBackend` over `both` nodes: the least busy one generates the whole request."""
 
     def __init__(
-        self, registry: NodeRegistry, client: NodeClient, config: DisaggConfig | None = None
+        self,
+        registry: NodeRegistry,
+        client: NodeClient,
+        config: DisaggConfig | None = None,
+        traces: TraceStore | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
         self.config = config or DisaggConfig()
+        self.traces = traces or TraceStore(1)
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
         stream = await self._open(req)
-        async with aclosing(relay(stream, self.client)) as chunks:
+        async with aclosing(relay(stream, self.client, traces=self.traces)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -208,6 +225,7 @@ class ColocatedBackend:
         while True:
             node = self.registry.pick_colocated(exclude=frozenset(tried))
             node.sent(len(req.prompt_token_ids))
+            self.traces.record(req.request_id, "routed", detail=node.url)
             try:
                 return await self.client.open_stream(node.url, GENERATE_PATH, msg, req.request_id)
             except NodeUnreachable as e:
@@ -252,6 +270,7 @@ async def relay(
     client: NodeClient,
     queue: InterStageQueue | None = None,
     prefill_url: str | None = None,
+    traces: TraceStore | None = None,
 ) -> TokenStream:
     """A node's token stream as TokenChunks; on any early end (close, error) the stream is
     dropped and the request cancelled on the node (and on `prefill_url` while no token came,
@@ -259,7 +278,12 @@ async def relay(
     finished = received = False
     try:
         while True:
-            chunk = await stream.next_chunk()
+            try:
+                chunk = await stream.next_chunk()
+            finally:
+                if stream.events and traces is not None:
+                    traces.record_node(stream.request_id, stream.url, stream.events)
+                stream.events = []
             received = True
             finished = chunk.finish_reason is not None
             yield chunk

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.backend import BackendError, GenerationRequest, TokenBackend, TokenStream
 from proxy.metrics import WAIT_BUCKETS
+from proxy.trace import TraceStore
 
 
 @dataclass(frozen=True)
@@ -135,12 +136,17 @@ class EdgeQueue:
 class EdgeGatedBackend:
     """A `TokenBackend` whose streams each hold an edge slot while they run."""
 
-    def __init__(self, inner: TokenBackend, edge: EdgeQueue) -> None:
+    def __init__(
+        self, inner: TokenBackend, edge: EdgeQueue, traces: TraceStore | None = None
+    ) -> None:
         self.inner = inner
         self.edge = edge
+        self.traces = traces
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
         async with self.edge.slot():
+            if self.traces is not None:
+                self.traces.record(req.request_id, "edge admitted")
             async with aclosing(self.inner.generate(req)) as chunks:
                 async for chunk in chunks:
                     yield chunk

@@ -4,7 +4,8 @@ Subclass `ProxyHooks` to add metrics (TTFT, ITL, E2E, errors, cancellations) and
 per-request ownership trace. Every method is called on the event loop, in this order for a
 request that is served:
 
-    on_received -> on_prepared -> on_first_token -> on_tokens* -> on_finished
+    on_received -> on_validated -> on_prepared -> on_first_token -> on_tokens* -> on_finished
+      -> on_closed
 
 and ends with exactly one of `on_finished`, `on_error` or `on_cancelled` for every request that
 reached `on_received`. Hooks must be cheap and must not raise or block: they run inline in the
@@ -22,6 +23,9 @@ class ProxyHooks:
 
     def on_received(self, request_id: str, endpoint: str) -> None:
         """A generation request arrived (before its body is read)."""
+
+    def on_validated(self, request_id: str) -> None:
+        """The body parsed into a valid request (before tokenization)."""
 
     def on_prepared(self, request_id: str, prepared: PreparedRequest) -> None:
         """Validated and tokenized; about to be handed to the backend."""
@@ -43,6 +47,10 @@ class ProxyHooks:
     def on_cancelled(self, request_id: str, reason: str) -> None:
         """The client went away ("disconnect") or the server is shutting down ("cancelled");
         the backend stream is being closed."""
+
+    def on_closed(self, request_id: str) -> None:
+        """The handler is done with the request (after its terminal event); always called
+        once for every request that reached `on_received`."""
 
 
 class RequestEvents:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from common.logs import setup_logging
 from common.model_config import ModelConfig
+from common.node_messages import CancelResult
 from common.tokenizer import Tokenizer
 from proxy.admin import AdminRoutes
 from proxy.backend import TokenBackend
@@ -35,6 +36,7 @@ from proxy.node_state import Role
 from proxy.nodes import NodeRegistry, RegistryConfig
 from proxy.server import HealthCheck, ProxyConfig, build_app, make_runner
 from proxy.settings import ProxySettings
+from proxy.trace import MultiHooks, TraceHooks, TraceStore
 
 log = logging.getLogger(__name__)
 
@@ -58,36 +60,47 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
         settings.max_model_len or ModelConfig.from_dir(settings.model).max_position_embeddings
     )
     metrics = CollectorRegistry()
-    client = NodeClient(settings.timeouts)
+    traces = TraceStore(settings.trace_capacity)
+
+    def on_cancel(url: str, result: CancelResult) -> None:
+        event = "cancel acknowledged" if result.found else "cancel: not held"
+        traces.record(result.request_id, event, owner=url, detail=result.stage or "")
+
+    client = NodeClient(settings.timeouts, on_cancel)
     roles = {Role.BOTH} if settings.colocated_mode else {Role.PREFILL, Role.DECODE}
     registry = NodeRegistry(client, RegistryConfig(settings.poll_interval_s, frozenset(roles)))
     for role, urls in settings.node_urls().items():
         for url in urls:
             registry.add(url, role)
-    queue, backend = _backend(settings, registry, client, metrics)
+    queue, backend = _backend(settings, registry, client, metrics, traces)
     edge_config = EdgeConfig(settings.max_active_requests, settings.edge_queue_capacity)
     edge = EdgeQueue(edge_config, EdgeMetrics(metrics))
     app = build_app(
-        EdgeGatedBackend(backend, edge),
+        EdgeGatedBackend(backend, edge, traces),
         tokenizer,
         settings.model_name(),
         max_model_len,
         config=ProxyConfig(max_body_bytes=settings.max_body_bytes),
-        hooks=ProxyMetrics(metrics),
+        hooks=MultiHooks(ProxyMetrics(metrics), TraceHooks(traces, metrics)),
         health_check=_health_check(registry, roles),
     )
     app.router.add_get("/metrics", metrics_handler(metrics))
+    traces.add_route(app)
     AdminRoutes(registry).add_to(app)
     app.cleanup_ctx.append(_lifecycle(registry, client, queue))
     return ProxyParts(app, registry, client, queue, metrics, settings.model_name())
 
 
 def _backend(
-    settings: ProxySettings, registry: NodeRegistry, client: NodeClient, metrics: CollectorRegistry
+    settings: ProxySettings,
+    registry: NodeRegistry,
+    client: NodeClient,
+    metrics: CollectorRegistry,
+    traces: TraceStore,
 ) -> tuple[InterStageQueue | None, TokenBackend]:
     config = DisaggConfig(lease_s=settings.lease_s, migrate_limit=settings.migrate_limit)
     if settings.colocated_mode:
-        return None, ColocatedBackend(registry, client, config)
+        return None, ColocatedBackend(registry, client, config, traces)
     queue_config = InterStageConfig(
         capacity=settings.interstage_capacity,
         lease_s=settings.lease_s,
@@ -95,7 +108,7 @@ def _backend(
     )
     queue = InterStageQueue(registry, client, InterStageMetrics(metrics), queue_config)
     registry.add_listener(lambda node: queue.notify_capacity())
-    return queue, DisaggBackend(registry, client, queue, config, DisaggMetrics(metrics))
+    return queue, DisaggBackend(registry, client, queue, config, DisaggMetrics(metrics), traces)
 
 
 def _health_check(registry: NodeRegistry, roles: set[Role]) -> HealthCheck:

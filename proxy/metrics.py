@@ -154,6 +154,9 @@ class DisaggMetrics:
             ["role"],
             registry=registry,
         )
+        for outcome in ("started", "no_decode_node"):
+            self.migrations.labels(outcome)
+        self.retries.labels("prefill")
 
 
 def metrics_handler(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -89,6 +90,7 @@ class NodeStream:
         self.request_id = request_id
         self._resp = resp
         self._read_timeout_s = read_timeout_s
+        self.events: list[tuple[str, float]] = []  # trace events the node sent, until taken
 
     async def next_chunk(self) -> TokenChunk:
         """The next chunk; the last one carries `finish_reason`. BackendError (502) on an error
@@ -124,6 +126,7 @@ class NodeStream:
             raise BackendError.failed(f"node {self.url} sent a bad stream line: {e}") from None
         if delta.request_id != self.request_id:
             raise BackendError.failed(f"node {self.url} streamed tokens of another request")
+        self.events += delta.events
         if delta.error is not None:
             message = f"node {self.url} failed the request: {delta.error}"
             if delta.error_code in KV_ERROR_CODES:  # the KV never came: re-prefill may help
@@ -135,8 +138,13 @@ class NodeStream:
 class NodeClient:
     """Calls into nodes. `start()` inside the event loop before use, `close()` after."""
 
-    def __init__(self, timeouts: NodeTimeouts | None = None) -> None:
+    def __init__(
+        self,
+        timeouts: NodeTimeouts | None = None,
+        on_cancel: Callable[[str, CancelResult], None] | None = None,
+    ) -> None:
         self.timeouts = timeouts or NodeTimeouts()
+        self.on_cancel = on_cancel  # told each node's answer to a cancel (for the trace)
         self._session: aiohttp.ClientSession | None = None
         self._cancels: set[asyncio.Task[None]] = set()
 
@@ -268,7 +276,9 @@ class NodeClient:
     async def _cancel_quietly(self, url: str, request_id: str) -> None:
         try:
             result = await self.cancel(url, request_id)
-            log.debug("cancel %s on %s: found=%s", request_id, url, result.found)
+            log.debug("cancel %s on %s: stage=%s", request_id, url, result.stage)
+            if self.on_cancel is not None:
+                self.on_cancel(url, result)
         except BackendError as e:
             log.info("cancel %s on %s failed: %s", request_id, url, e.message)
 

@@ -92,7 +92,9 @@ class ProxyServer:
         rid = new_request_id("cmpl")
 
         async def prepare(text: str) -> PreparedRequest:
-            return await self.preparer.completion(rid, parse_request(CompletionRequest, text))
+            req = parse_request(CompletionRequest, text)
+            self.hooks.on_validated(rid)
+            return await self.preparer.completion(rid, req)
 
         return await self._generate(request, rid, "completions", prepare, CompletionFormat)
 
@@ -100,7 +102,9 @@ class ProxyServer:
         rid = new_request_id("chatcmpl")
 
         async def prepare(text: str) -> PreparedRequest:
-            return await self.preparer.chat(rid, parse_request(ChatCompletionRequest, text))
+            req = parse_request(ChatCompletionRequest, text)
+            self.hooks.on_validated(rid)
+            return await self.preparer.chat(rid, req)
 
         return await self._generate(request, rid, "chat.completions", prepare, ChatFormat)
 
@@ -125,6 +129,18 @@ class ProxyServer:
         fmt_cls: Callable[[ResponseMeta], ApiFormat],
     ) -> web.StreamResponse:
         self.hooks.on_received(rid, endpoint)
+        try:
+            return await self._handle(request, rid, prepare, fmt_cls)
+        finally:
+            self.hooks.on_closed(rid)
+
+    async def _handle(
+        self,
+        request: web.Request,
+        rid: str,
+        prepare: Callable[[str], Coroutine[Any, Any, PreparedRequest]],
+        fmt_cls: Callable[[ResponseMeta], ApiFormat],
+    ) -> web.StreamResponse:
         events = RequestEvents(self.hooks, rid)
         try:
             prep = await prepare(await read_json_text(request, self.config.max_body_bytes))
@@ -137,8 +153,8 @@ class ProxyServer:
         except ConnectionError:  # the client left before its response started
             events.cancelled("disconnect")
             return web.Response(status=499)  # never delivered; for the access log
-        except asyncio.CancelledError:
-            events.cancelled("cancelled")
+        except asyncio.CancelledError:  # the client left (handler cancellation), or shutdown
+            events.cancelled("disconnect" if _client_gone(request) else "cancelled")
             raise
         except Exception:  # a bug (ours or the backend's): a 500 body, never a traceback
             log.exception("%s: request failed", rid)
@@ -187,6 +203,11 @@ async def read_json_text(request: web.Request, max_bytes: int) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise invalid_request(f"the body is not valid UTF-8: {e}", code="invalid_utf8") from None
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _too_large(max_bytes: int) -> ApiError:

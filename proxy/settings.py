@@ -44,6 +44,7 @@ class ProxySettings:
     max_active_requests: int = 512  # edge: requests inside the backend at once
     edge_queue_capacity: int = 1024  # edge: requests waiting for a slot; beyond: 503
     migrate_limit: int = 1  # times a stream may move to another decode node after a failure
+    trace_capacity: int = 2048  # recent requests whose traces GET /debug/requests/{id}/trace has
     interstage_capacity: int = 256
     interstage_max_wait_s: float = 300.0
     poll_interval_s: float = 0.5
@@ -105,6 +106,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
         help="times a stream may be re-prefilled onto another decode node after a node failure",
     )
     q.add_argument("--interstage-capacity", type=int, default=256)
+    p.add_argument("--trace-capacity", type=int, default=2048, help="recent request traces kept")
     q.add_argument("--interstage-max-wait-s", type=float, default=300.0)
     q.add_argument("--poll-interval-s", type=float, default=0.5, help="node health/state poll")
     t = p.add_argument_group("timeouts (seconds)")
@@ -160,6 +162,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         max_active_requests=args.max_active_requests,
         edge_queue_capacity=args.edge_queue_capacity,
         migrate_limit=args.migrate_limit,
+        trace_capacity=args.trace_capacity,
         interstage_capacity=args.interstage_capacity,
         interstage_max_wait_s=args.interstage_max_wait_s,
         poll_interval_s=args.poll_interval_s,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDict
 
 TIMEOUT = aiohttp.ClientTimeout(total=120, sock_connect=5)
 
@@ -24,7 +25,7 @@ class StreamResult:
     error: dict[str, Any] | None = None  # an HTTP error body, or the SSE error event
     events: int = 0  # content events seen
     done: bool = False  # [DONE] seen
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: CIMultiDict[str] = field(default_factory=CIMultiDict)
 
 
 async def stream_completion(
@@ -40,7 +41,7 @@ async def stream_completion(
         f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT
     ) as resp:
         res.status = resp.status
-        res.headers = dict(resp.headers)
+        res.headers = CIMultiDict(resp.headers)
         if resp.status != 200:
             res.error = (await resp.json(content_type=None))["error"]
             return res
