@@ -92,6 +92,11 @@ def test_trace_of_a_finished_request_is_complete_ordered_and_owned(
     assert [row for row in seen if row in want] == want, seen
     assert next(r for r in rows if r["event"] == "routed")["detail"].endswith(owners["prefill"])
     assert next(r for r in rows if r["event"] == "dispatched")["detail"] == owners["decode"]
+    # One structured log line per finished request, holding the same trace.
+    lines = [line for line in cluster.proxy.log_path.read_text().splitlines() if rid in line]
+    (logged,) = [json.loads(line[line.index("{") :]) for line in lines if '{"trace"' in line]
+    assert logged["trace"]["request_id"] == rid
+    assert [r["event"] for r in logged["trace"]["rows"]][-1] == "stream closed"
     # An unknown id: a 404 with an OpenAI-style body.
     with pytest.raises(urllib.error.HTTPError) as err:
         _trace(cluster, "cmpl-nope")
