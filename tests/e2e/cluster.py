@@ -199,3 +199,66 @@ class Cluster:
 def _at_baseline(state: dict[str, Any]) -> bool:
     b, r = state["blocks"], state["requests"]
     return b["free"] == b["total"] and not any(r.values())
+
+
+class Service:
+    """`pdserve up` as a user runs it (proxy in-process, nodes as its children); stopped by
+    pid with SIGINT (then SIGKILL of its process group) when the `with` block ends."""
+
+    def __init__(self, model_dir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._logdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.log_path = self._logdir / "up.log"
+        argv = [sys.executable, "-m", "common.cli", "up", "--port", str(self.port)]
+        argv += ["--model", str(model_dir), "--log-dir", str(self._logdir), *args]
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=_die_with_parent,
+            )
+
+    def __enter__(self) -> Service:
+        try:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                if self.popen.poll() is not None:
+                    raise RuntimeError(f"pdserve up exited:\n{self.log_path.read_text()[-3000:]}")
+                try:
+                    http_json(f"{self.url}/health", timeout=2.0)
+                    return self
+                except OSError:
+                    time.sleep(0.2)
+            raise TimeoutError(f"pdserve up not healthy:\n{self.log_path.read_text()[-3000:]}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGINT)
+            try:
+                self.popen.wait(60)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+    def node_urls(self) -> list[str]:
+        return [n["url"] for n in http_json(f"{self.url}/admin/nodes")["nodes"]]
+
+    def wait_baseline(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        states: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            states = {u: http_json(f"{u}/state", timeout=5.0) for u in self.node_urls()}
+            if all(_at_baseline(s) for s in states.values()):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"nodes not back at baseline after {timeout}s: {states}")

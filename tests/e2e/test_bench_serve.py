@@ -1,5 +1,5 @@
-"""`pdserve bench-serve` as a user runs it (a subprocess of the CLI) against a real proxy with
-a prefill and a decode node on loopback."""
+"""`pdserve bench-serve` as a user runs it (a subprocess of the CLI) against `pdserve up`
+(a proxy with a prefill and a decode node) on loopback."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 from proxy.bench_serve import main
-from tests.e2e.cluster import Cluster, http_json
-from tests.e2e.conftest import start_cluster
+from tests.e2e.cluster import Service, http_json
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 REQUIRED = (
@@ -32,17 +31,13 @@ REQUIRED = (
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
-    c = start_cluster(tiny_model_dir, (1, 1, 0))
-    try:
-        yield c
-    finally:
-        c.close()
+def cluster(tiny_model_dir: Path) -> Iterator[Service]:
+    with Service(tiny_model_dir, "--num-blocks", "256") as service:
+        yield service
 
 
-def _bench(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    assert cluster.proxy is not None
-    argv = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", cluster.proxy.url]
+def _bench(cluster: Service, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", cluster.url]
     return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -71,7 +66,7 @@ def _check_plausible(doc: dict[str, Any], requests: int, output_len: int) -> Non
     assert doc["itl_ms"]["max"] <= e2el["max"]
 
 
-def test_bench_serve_against_a_disaggregated_cluster(cluster: Cluster, tmp_path: Path) -> None:
+def test_bench_serve_against_a_disaggregated_cluster(cluster: Service, tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     run = _bench(
         cluster,
@@ -86,19 +81,18 @@ def test_bench_serve_against_a_disaggregated_cluster(cluster: Cluster, tmp_path:
     doc = json.loads(out.read_text())
     _check_plausible(doc, requests=12, output_len=6)
     assert doc["max_concurrent"] <= 4
-    assert doc["config"]["model"] == http_json(f"{cluster.proxy.url}/v1/models")["data"][0]["id"]
+    assert doc["config"]["model"] == http_json(f"{cluster.url}/v1/models")["data"][0]["id"]
     assert doc["goodput"] == 0.0  # nothing finishes within the 1 us e2e SLO
     assert (tmp_path / "cdf-rateinf.png").stat().st_size > 0
     cluster.wait_baseline()
 
 
 def test_bench_serve_chat_rate_sweep(
-    cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    cluster: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cluster.proxy is not None
     status = main(  # in process this time: the CLI path is the test above
         [
-            *("--base-url", cluster.proxy.url, "--endpoint", "chat"),
+            *("--base-url", cluster.url, "--endpoint", "chat"),
             *("--rate", "20", "40", "--arrival", "fixed", "--num-requests", "6"),
             *("--input-len", "8", "--output-len", "4", "--no-progress"),
             *("--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"),
