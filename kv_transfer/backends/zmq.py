@@ -1,19 +1,24 @@
-"""ZeroMQ backend: the portable fallback, blocks as zero-copy frames over TCP or IPC.
+"""ZeroMQ backend: the portable fallback, one message per write over TCP or IPC.
 
-    sender PUSH ──[BlockWrite header][block][block]...──> receiver PULL
-    receiver copies each frame into its destination block, then
+    sender PUSH ──[u32 header length][BlockWrite header][block][block]...──> receiver PULL
+    receiver copies the blocks into their destination blocks, then
     receiver ──KVDone (side channel)──> sender
 
-Frames reference the cache memory directly (copy=False); the receiver's one copy
-is frame -> destination block. A write counts as done at the sender once the
-receiver acknowledged it and zmq released the last frame. zmq cannot take back
-queued frames, so cancel() never succeeds: an aborted posted write finishes.
+Each write is ONE single-part message: the sender gathers the blocks into a staging buffer
+behind the header (one copy, sent zero-copy from there). Not a multipart message with a
+frame per block: libzmq (4.3.5) aborts the sending process with an errno assertion
+(session_base.cpp, clean_pipes) when the peer's connection drops while a multipart message
+is half sent, so a decode node dying mid-transfer would take the prefill node with it.
+A write counts as done at the sender once the receiver acknowledged it and zmq released the
+staging buffer. zmq cannot take back queued messages, so cancel() never succeeds: an aborted
+posted write finishes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import uuid
 from dataclasses import dataclass
 
@@ -46,10 +51,14 @@ from kv_transfer.state import OutgoingTransfer
 log = logging.getLogger(__name__)
 
 
+HEADER_LEN = struct.Struct("<I")
+
+
 @dataclass
 class _Send:
     xfer: OutgoingTransfer
     tracker: zmq.MessageTracker
+    staging: np.ndarray  # the message's memory: alive until zmq released it
     acked: bool = False
 
 
@@ -110,13 +119,23 @@ class ZmqBackend(Backend):
             xfer_id=self._seq,
             dst_block_ids=xfer.dst_ids.tolist(),
         )
-        frames = [encode(header), *(self._blocks[i] for i in xfer.src_ids)]
+        staging = self._pack(encode(header), xfer.src_ids)
         try:
-            tracker = push.send_multipart(frames, zmq.NOBLOCK, copy=False, track=True)
+            tracker = push.send(staging, zmq.NOBLOCK, copy=False, track=True)
         except zmq.ZMQError as e:
             raise BackendError(f"zmq: cannot send {xfer.request_id}: {e}") from e
-        self._sends[xfer.request_id] = _Send(xfer, tracker)
+        self._sends[xfer.request_id] = _Send(xfer, tracker, staging)
         return None
+
+    def _pack(self, head: bytes, src_ids: np.ndarray) -> np.ndarray:
+        """[header length][header][blocks...] in one buffer (the blocks gathered in one copy)."""
+        start = HEADER_LEN.size + len(head)
+        n, block_bytes = len(src_ids), self.layout.block_bytes
+        staging = np.empty(start + n * block_bytes, dtype=np.uint8)
+        HEADER_LEN.pack_into(staging, 0, len(head))
+        staging[HEADER_LEN.size : start] = np.frombuffer(head, dtype=np.uint8)
+        np.take(self._blocks, src_ids, axis=0, out=staging[start:].reshape(n, block_bytes))
+        return staging
 
     def cancel(self, xfer: OutgoingTransfer) -> bool:
         return False
@@ -139,10 +158,10 @@ class ZmqBackend(Backend):
         events: list[BackendEvent] = []
         while True:
             try:
-                frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                frame = self._pull.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return events
-            landed = self._land(frames)
+            landed = self._land(frame)
             if landed is not None:
                 events.append(landed)
 
@@ -169,9 +188,11 @@ class ZmqBackend(Backend):
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def _land(self, frames: list[zmq.Frame]) -> Landed | None:
+    def _land(self, frame: zmq.Frame) -> Landed | None:
+        data = memoryview(frame.buffer)
         try:
-            header = decode(frames[0].bytes, self.config.max_message_bytes)
+            head, payload = self._split(data)
+            header = decode(head, self.config.max_message_bytes)
         except MessageError as e:
             log.warning("zmq: dropped a data message with a bad header: %s", e)
             return None
@@ -179,20 +200,30 @@ class ZmqBackend(Backend):
             log.warning("zmq: dropped a data message (%s) from a non-peer", header.TYPE)
             return None
         try:
-            dst = self._check(header, frames[1:])
+            dst = self._check(header, payload)
         except TransferRejected as e:
             log.warning("zmq: refused write %s from %s: %s", header.request_id, header.src_agent, e)
             self.send(header.src_agent, KVAborted(request_id=header.request_id, reason=str(e)))
             return None
-        for block, frame in zip(dst, frames[1:], strict=True):
-            self._blocks[block] = np.frombuffer(frame.buffer, dtype=np.uint8)
+        self._blocks[dst] = payload.reshape(dst.size, self.layout.block_bytes)
         self.send(header.src_agent, KVDone(request_id=header.request_id))
         return Landed(header.src_agent, header.request_id)
 
-    def _check(self, header: BlockWrite, payload: list[zmq.Frame]) -> np.ndarray:
+    def _split(self, data: memoryview) -> tuple[bytes, np.ndarray]:
+        """The header bytes and the block payload of one data message."""
+        if len(data) < HEADER_LEN.size:
+            raise MessageError(f"a {len(data)}-byte data message has no header")
+        (head_len,) = HEADER_LEN.unpack_from(data, 0)
+        start = HEADER_LEN.size + head_len
+        if head_len > self.config.max_message_bytes or start > len(data):
+            raise MessageError(f"a header of {head_len} bytes in a {len(data)}-byte message")
+        payload = np.frombuffer(data, dtype=np.uint8, offset=start)
+        return bytes(data[HEADER_LEN.size : start]), payload
+
+    def _check(self, header: BlockWrite, payload: np.ndarray) -> np.ndarray:
         dst = check_block_ids(header.dst_block_ids, self.layout.num_blocks, "dst_block_ids")
-        if len(payload) != dst.size:
-            raise TransferRejected(f"{len(payload)} frames for {dst.size} blocks")
-        if any(len(f.buffer) != self.layout.block_bytes for f in payload):
-            raise TransferRejected(f"a frame is not {self.layout.block_bytes} bytes")
+        if payload.size != dst.size * self.layout.block_bytes:
+            raise TransferRejected(
+                f"{payload.size} payload bytes for {dst.size} blocks of {self.layout.block_bytes}"
+            )
         return dst

@@ -70,7 +70,9 @@ class NodeProc:
         raise TimeoutError(f"{self.name} did not start in {timeout}s\n{self.log_tail()}")
 
     def call(self, op: str, timeout: float = 60.0, **args: object) -> object:
-        self._sock.send(msgpack.packb({"op": op, **args}, use_bin_type=True))
+        if not self._sock.poll(int(timeout * 1000), zmq.POLLOUT):  # never block forever
+            raise TimeoutError(f"{self.name}: cannot send {op} (process gone?)\n{self.log_tail()}")
+        self._sock.send(msgpack.packb({"op": op, **args}, use_bin_type=True), zmq.NOBLOCK)
         if not self._sock.poll(int(timeout * 1000)):
             raise TimeoutError(f"{self.name}: {op} took over {timeout}s\n{self.log_tail()}")
         reply = msgpack.unpackb(self._sock.recv(), raw=False)
