@@ -147,7 +147,9 @@ class BlockWrite(Message):
     request_id: str = Field(min_length=1)
     src_agent: str
     xfer_id: int = Field(ge=0)
-    dst_block_ids: list[int]
+    dst_block_ids: list[int]  # the blocks this message carries (zmq: one part's worth)
+    part: int = Field(0, ge=0)  # zmq: a write is sent as `parts` messages, each whole
+    parts: int = Field(1, ge=1)
 
 
 @register
