@@ -279,6 +279,15 @@ async def start_service(cfg: UpConfig, nodes: list[NodeProcess]) -> RunningProxy
         raise LaunchError(f"cannot start the proxy on {cfg.host}:{cfg.port}: {e}") from None
 
 
+def _log_traces_to(path: Path) -> None:
+    """Each request's trace (one JSON line, logger pdserve.trace) to a file, not the console."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    trace_log = logging.getLogger("pdserve.trace")
+    trace_log.addHandler(handler)
+    trace_log.propagate = False
+
+
 async def up(cfg: UpConfig) -> int:
     """Run the service until SIGINT/SIGTERM; 0 after a clean stop, 1 if it failed to start."""
     stop = asyncio.Event()
@@ -287,6 +296,7 @@ async def up(cfg: UpConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    _log_traces_to(log_dir / "traces.jsonl")
     nodes = plan_nodes(cfg, log_dir)
     proxy: RunningProxy | None = None
     startup = asyncio.ensure_future(start_service(cfg, nodes))
@@ -325,7 +335,7 @@ def _print_banner(
     lines = [
         *(f"  {n.name:<10} {n.url}  (pid {n.pid}{_cpus_note(n.cpus)})" for n in nodes),
         f"pdserve proxy ready: {proxy.url}",
-        f"node logs: {log_dir}",
+        f"node logs and request traces (traces.jsonl): {log_dir}",
         "try:",
         f"  curl -N {proxy.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
         f"    -d '{body}'",
