@@ -72,9 +72,10 @@ class DisaggBackend:
         attempt = req
         for migration in range(self.config.migrate_limit + 1):
             try:
-                async for chunk in self._attempt(attempt):
-                    emitted += chunk.token_ids
-                    yield chunk
+                async with aclosing(self._attempt(attempt)) as chunks:  # closed on every path
+                    async for chunk in chunks:
+                        emitted += chunk.token_ids
+                        yield chunk
                 return
             except NodeLost as e:
                 if (
