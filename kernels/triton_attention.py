@@ -40,6 +40,48 @@ _MAX_SPLITS = 32
 
 
 # Per-call scalars are not specialized on (== 1, divisible by 16): one compile each.
+@triton.jit
+def _load_kv_tile(
+    cache,
+    table,
+    pos,
+    valid,
+    offs_d,
+    mask_d,
+    stride_cb,
+    stride_ct,
+    stride_ckv,
+    BLOCK_SIZE: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """K and V ([BLOCK_N, BLOCK_D]) of the tokens at `pos` of a sequence, through its block
+    table (token by token, so the tile width does not depend on the block size)."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    token = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct  # [BLOCK_N]
+    ptrs = cache + token[:, None] + offs_d[None, :]
+    mask_nd = valid[:, None] & mask_d[None, :]
+    k = tl.load(ptrs, mask=mask_nd, other=0.0)
+    v = tl.load(ptrs + stride_ckv, mask=mask_nd, other=0.0)
+    if WIDEN:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _softmax_update(s, v, m_i, l_i, acc, cache_ptr, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax: fold masked log2-scores `s` and values `v` into the
+    running max `m_i`, normaliser `l_i` and output `acc`."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # p is rounded to the cache dtype, as a 16-bit dot takes it, widened or not.
+    pv = p.to(cache_ptr.dtype.element_ty).to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["layer", "split_len"])
 def _decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
@@ -104,26 +146,23 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        token = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct  # [BLOCK_N]
-        ptrs = cache + token[:, None] + offs_d[None, :]
-        mask_nd = valid[:, None] & mask_d[None, :]
-        k = tl.load(ptrs, mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(ptrs + stride_ckv, mask=mask_nd, other=0.0)
-        if WIDEN:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(
+            cache,
+            table,
+            pos,
+            valid,
+            offs_d,
+            mask_d,
+            stride_cb,
+            stride_ct,
+            stride_ckv,
+            BLOCK_SIZE,
+            WIDEN,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         # s: [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # p is rounded to the cache dtype, as a 16-bit dot takes it, widened or not.
-        pv = p.to(cache_ptr.dtype.element_ty).to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, cache_ptr, DOT_PRECISION)
     if SPLIT:
         # An empty split (past the context) leaves l_i = 0: weight 0 in the merge.
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -337,26 +376,23 @@ def _prefill_kernel(
     for start in range(0, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        token = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct  # [BLOCK_N]
-        ptrs = cache + token[:, None] + offs_d[None, :]
-        mask_nd = valid[:, None] & mask_d[None, :]
-        k = tl.load(ptrs, mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(ptrs + stride_ckv, mask=mask_nd, other=0.0)
-        if WIDEN:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(
+            cache,
+            table_ptr,
+            pos,
+            valid,
+            offs_d,
+            mask_d,
+            stride_cb,
+            stride_ct,
+            stride_ckv,
+            BLOCK_SIZE,
+            WIDEN,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         # s: [BLOCK_M, BLOCK_N]
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # p is rounded to the cache dtype, as a 16-bit dot takes it, widened or not.
-        pv = p.to(cache_ptr.dtype.element_ty).to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, cache_ptr, DOT_PRECISION)
     out = out_ptr + offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_md)
 
