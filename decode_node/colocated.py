@@ -10,9 +10,9 @@ import time
 
 from aiohttp import web
 
-from common.node import Node, read_message, stream_outputs
-from common.node_messages import GenerateRequest, NodeEvent
-from common.scheduler import StepOutput
+from common.engine.scheduler import StepOutput
+from common.node.server import Node, read_message, stream_outputs
+from common.wire.node_messages import GenerateRequest, NodeEvent
 
 
 class ColocatedNode(Node):

@@ -15,11 +15,11 @@ import time
 
 from aiohttp import web
 
-from common.errors import SERVER_ERROR, ApiError, invalid_request
-from common.node import ndjson_response, read_message, stream_outputs, write_error_line
-from common.node_messages import DecodeRequest, NodeEvent
-from common.scheduler import StepOutput
-from common.transfer_node import TransferNode
+from common.engine.scheduler import StepOutput
+from common.node.server import ndjson_response, read_message, stream_outputs, write_error_line
+from common.node.transfer import TransferNode
+from common.wire.errors import SERVER_ERROR, ApiError, invalid_request
+from common.wire.node_messages import DecodeRequest, NodeEvent
 from decode_node.incoming import Incoming, InState
 from kv_transfer import (
     HandshakeError,

@@ -26,7 +26,6 @@ from kv_transfer.events import (
     TransferEvent,
     TransferFailed,
 )
-from kv_transfer.lease import Lease
 
 __all__ = [
     "BACKENDS",
@@ -36,7 +35,6 @@ __all__ = [
     "HandshakeError",
     "KVReceived",
     "KVTransferAgent",
-    "Lease",
     "MessageReceived",
     "PeerConnected",
     "PeerLost",

@@ -36,8 +36,8 @@ from concurrent.futures import Future
 import torch
 import zmq
 
-from common.fingerprint import Fingerprint
-from common.messages import Message, PeerInfo, TransferRequest
+from common.wire.fingerprint import Fingerprint
+from common.wire.messages import Message, PeerInfo, TransferRequest
 from kv_transfer.backends import create_backend
 from kv_transfer.config import TransferConfig
 from kv_transfer.connections import Connections

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from common.fingerprint import FingerprintMismatch
-from common.messages import Handshake, HandshakeReply, Heartbeat, PeerInfo, Reject
+from common.wire.fingerprint import FingerprintMismatch
+from common.wire.messages import Handshake, HandshakeReply, Heartbeat, PeerInfo, Reject
 from kv_transfer.backends.base import Backend
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import BackendError, HandshakeError

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from common.messages import Message
+from common.wire.messages import Message
 
 
 class FailureReason(str, Enum):

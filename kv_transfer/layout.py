@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from common.messages import KVRegion
+from common.wire.messages import KVRegion
 from kv_transfer.errors import TransferRejected
 
 

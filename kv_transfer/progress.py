@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from common.messages import (
+from common.wire.messages import (
     Abort,
     Handshake,
     HandshakeReply,

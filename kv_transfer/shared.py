@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from common.messages import KVRegion
+from common.wire.messages import KVRegion
 from kv_transfer.events import TransferEvent
 
 # write(2) through PyDLL keeps the GIL: the thread we wake then runs once we block,

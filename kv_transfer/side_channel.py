@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common.messages import Message, encode
+from common.wire.messages import Message, encode
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import time
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
 
-from common.messages import Abort, KVAborted, TransferRequest
+from common.wire.messages import Abort, KVAborted, TransferRequest
 from kv_transfer.backends.base import (
     Backend,
     BackendEvent,

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kv_transfer.lease import Lease
+from prefill_node.lease import Lease
 
 
 class HeldState(str, Enum):

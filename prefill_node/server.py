@@ -17,10 +17,13 @@ import time
 
 from aiohttp import web
 
-from common.errors import ApiError
-from common.messages import KVAborted, TransferRequest
-from common.node import json_message, read_message
-from common.node_messages import (
+from common.engine.scheduler import StepOutput
+from common.engine.sequence import FinishReason
+from common.node.server import json_message, read_message
+from common.node.transfer import TransferNode
+from common.wire.errors import ApiError
+from common.wire.messages import KVAborted, TransferRequest
+from common.wire.node_messages import (
     KVHandle,
     LeaseExtend,
     LeaseExtendResult,
@@ -28,9 +31,6 @@ from common.node_messages import (
     PrefillRequest,
     PrefillResult,
 )
-from common.scheduler import StepOutput
-from common.sequence import FinishReason
-from common.transfer_node import TransferNode
 from kv_transfer import (
     MessageReceived,
     Quiescent,
@@ -39,8 +39,8 @@ from kv_transfer import (
     TransferFailed,
     TransferRejected,
 )
-from kv_transfer.lease import Lease
 from prefill_node.held import HeldKV, HeldState, HeldTable
+from prefill_node.lease import Lease
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proxy.backend import BackendError, GenerationRequest, TokenBackend, TokenStream
+from proxy.http.backend import BackendError, GenerationRequest, TokenBackend, TokenStream
 from proxy.metrics import WAIT_BUCKETS
 from proxy.trace import TraceStore
 

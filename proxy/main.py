@@ -3,8 +3,8 @@
     pdserve proxy --port 8000 --prefill http://h1:9001,http://h2:9001 --decode http://h3:9002
     pdserve proxy --port 8000 --colocated http://h1:9003          # the colocated baseline
 
-Routes: the OpenAI API of `proxy.server`, `GET /metrics` (this proxy's registry: requests,
-TTFT, ITL, E2E, inter-stage queue), `GET|POST|DELETE /admin/nodes` (`proxy.admin`). The
+Routes: the OpenAI API of `proxy.http.server`, `GET /metrics` (this proxy's registry: requests,
+TTFT, ITL, E2E, inter-stage queue), `GET|POST|DELETE /admin/nodes` (`proxy.pool.admin`). The
 tokenizer, chat template and context length come from `--model` (default: the built-in
 model). SIGINT/SIGTERM stop admission, let in-flight requests finish for
 `--shutdown-timeout-s`, cancel the rest on their nodes, and exit 0.
@@ -21,20 +21,19 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from common.logs import setup_logging
-from common.model_config import ModelConfig
-from common.node_messages import CancelResult
-from common.tokenizer import Tokenizer
-from proxy.admin import AdminRoutes
-from proxy.backend import TokenBackend
-from proxy.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from common.text.tokenizer import Tokenizer
+from common.wire.model_card import read_context_length
+from common.wire.node_messages import CancelResult
 from proxy.edge import EdgeConfig, EdgeGatedBackend, EdgeMetrics, EdgeQueue
-from proxy.interstage import InterStageConfig, InterStageQueue
+from proxy.http.backend import TokenBackend
+from proxy.http.server import HealthCheck, ProxyConfig, build_app, make_runner
 from proxy.metrics import DisaggMetrics, InterStageMetrics, ProxyMetrics, metrics_handler
-from proxy.node_client import NodeClient
-from proxy.node_state import Role
-from proxy.nodes import NodeRegistry, RegistryConfig
-from proxy.server import HealthCheck, ProxyConfig, build_app, make_runner
+from proxy.pool.admin import AdminRoutes
+from proxy.pool.client import NodeClient
+from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from proxy.pool.interstage import InterStageConfig, InterStageQueue
+from proxy.pool.node_state import Role
+from proxy.pool.registry import NodeRegistry, RegistryConfig
 from proxy.settings import ProxySettings
 from proxy.trace import MultiHooks, TraceHooks, TraceStore
 
@@ -56,9 +55,7 @@ class ProxyParts:
 def build_proxy(settings: ProxySettings) -> ProxyParts:
     """The proxy app; its nodes are polled and its queue runs while the app is set up."""
     tokenizer = Tokenizer.from_dir(settings.model)
-    max_model_len = (
-        settings.max_model_len or ModelConfig.from_dir(settings.model).max_position_embeddings
-    )
+    max_model_len = settings.max_model_len or read_context_length(settings.model)
     metrics = CollectorRegistry()
     traces = TraceStore(settings.trace_capacity)
 
@@ -184,12 +181,3 @@ async def serve(settings: ProxySettings) -> int:
     finally:
         await proxy.stop()
     return 0
-
-
-# -- command line ------------------------------------------------------------------------------
-
-
-def run(settings: ProxySettings, log_level: str = "INFO", access_log: bool = False) -> int:
-    """Configure logging and serve until a signal (the `pdserve proxy` command)."""
-    setup_logging(log_level, access_log)
-    return asyncio.run(serve(settings))

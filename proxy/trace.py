@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, field
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.errors import NOT_FOUND, ApiError
-from proxy.hooks import ProxyHooks
-from proxy.prepare import PreparedRequest
+from proxy.http.errors import NOT_FOUND, ApiError
+from proxy.http.hooks import ProxyHooks
+from proxy.http.prepare import PreparedRequest
 
 trace_log = logging.getLogger("pdserve.trace")
 

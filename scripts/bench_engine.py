@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from common.cli import model_dir
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.model_runner import StepInputs
-from common.sampling import SamplingParams
+from common.cli.models import model_dir
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.runner import StepInputs
+from common.wire.sampling_params import SamplingParams
 
 
 def bench_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> dict[str, float]:

@@ -8,7 +8,7 @@ python scripts/bench_serve.py --base-url http://127.0.0.1:8000 [--endpoint chat]
 
 import sys
 
-from proxy.bench_serve import main
+from proxy.bench.main import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

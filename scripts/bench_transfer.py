@@ -7,7 +7,7 @@ python scripts/bench_transfer.py [--backends nixl,ucxx,zmq] [--shapes tiny,8b]
 
 import sys
 
-from kv_transfer.bench import main
+from kv_transfer.bench.main import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -29,7 +29,7 @@ die() { printf 'gpu_check: %s\n' "$*" >&2; exit 1; }
 # Everything the kernel tests import, torch on CUDA included; prints the versions.
 PROBE='
 import torch, triton, pytest
-import common.engine, common.cli, common.tiny_model, common.tokenizer
+import common.engine.engine, common.cli, common.tiny.model, common.text.tokenizer
 assert torch.cuda.is_available(), "torch " + torch.__version__ + " sees no CUDA device"
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
       "on", torch.cuda.get_device_name(0))

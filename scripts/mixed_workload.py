@@ -23,9 +23,9 @@ import random
 import sys
 from pathlib import Path
 
-from common.cli import model_dir
-from common.tokenizer import Tokenizer
-from proxy.bench_workload import RandomWorkload
+from common.cli.models import model_dir
+from common.text.tokenizer import Tokenizer
+from proxy.bench.workload import RandomWorkload
 
 
 def build_parser() -> argparse.ArgumentParser:

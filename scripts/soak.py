@@ -40,7 +40,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.tiny_corpus import CORPUS  # noqa: E402
+from common.tiny.corpus import CORPUS  # noqa: E402
 
 TIMEOUT = aiohttp.ClientTimeout(total=300, sock_connect=5)
 CONTROL = aiohttp.ClientTimeout(total=10)
@@ -186,10 +186,10 @@ async def proxy_outcomes(url: str) -> dict[str, float]:
 def reference_texts(model_dir: str, outcomes: list[Outcome]) -> dict[int, str]:
     """The offline engine's text for each completed job: all of them in one batch, and any
     that differ from what was served once more on their own (the check is one at a time)."""
-    from common.config import EngineConfig
-    from common.engine import LLMEngine
-    from common.sampling import SamplingParams
-    from common.tokenizer import Tokenizer
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.text.tokenizer import Tokenizer
+    from common.wire.sampling_params import SamplingParams
 
     tokenizer = Tokenizer.from_dir(model_dir)
     engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=2048))
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.disconnect_prob <= 1 or args.requests < 1 or args.concurrency < 1:
         p.error("--disconnect-prob in [0, 1]; --requests and --concurrency >= 1")
 
-    from common.cli import model_dir
+    from common.cli.models import model_dir
 
     model = str(model_dir(args.model))
     args.model = model

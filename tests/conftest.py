@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from common.tiny_model import make_tiny_model
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
+from common.tiny.model import make_tiny_model
 
 
 @pytest.fixture(scope="session")

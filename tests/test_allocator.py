@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from common.block_allocator import AllocatorError, BlockAllocator, BlockState
+from common.engine.block_allocator import AllocatorError, BlockAllocator, BlockState
 
 ALLOCATED = (BlockState.USED, BlockState.HELD, BlockState.RESERVED)
 LEGAL = {

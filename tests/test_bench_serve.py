@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.bench_client import RequestResult, StreamError, StreamTimer, parse_sse_line
-from proxy.bench_load import LoadConfig, Progress, arrival_offsets, run_load
-from proxy.bench_serve import bench, build_parser, config_from_args, json_paths, main
-from proxy.bench_stats import Slo, distribution, max_concurrent, summarize
-from proxy.bench_workload import JsonlWorkload, RandomWorkload, WorkItem, request_body
+from proxy.bench.client import RequestResult, StreamError, StreamTimer, parse_sse_line
+from proxy.bench.load import LoadConfig, Progress, arrival_offsets, run_load
+from proxy.bench.main import bench, build_parser, config_from_args, json_paths, main
+from proxy.bench.stats import Slo, distribution, max_concurrent, summarize
+from proxy.bench.workload import JsonlWorkload, RandomWorkload, WorkItem, request_body
 
 
 def _ok(ttft: float, e2el: float, tokens: int, start: float = 0.0, **kw: Any) -> RequestResult:

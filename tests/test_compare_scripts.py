@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-from common.tokenizer import Tokenizer
-from proxy.bench_client import RequestResult
-from proxy.bench_stats import Slo, summarize
+from common.text.tokenizer import Tokenizer
+from proxy.bench.client import RequestResult
+from proxy.bench.stats import Slo, summarize
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

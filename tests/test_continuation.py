@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling import SamplingParams
-from proxy.backend import GenerationRequest
-from proxy.disagg import continuation
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.wire.sampling_params import SamplingParams
+from proxy.http.backend import GenerationRequest
+from proxy.pool.disagg import continuation
 
 
 @pytest.fixture(scope="module")

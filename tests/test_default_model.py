@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.engine_loop import AsyncEngine
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.loop import AsyncEngine
+from common.text.tokenizer import Tokenizer
+from common.wire.sampling_params import SamplingParams
 
 PROMPTS = ["The quick brown fox", "Héllo wörld, 你好 🌿", "def f(x):\n    return"]
 

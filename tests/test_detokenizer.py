@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.detokenizer import IncrementalDetokenizer
-from common.tiny_corpus import CORPUS
-from common.tiny_model import build_vocab, train_bpe
-from common.tokenizer import Tokenizer
+from common.text.detokenizer import IncrementalDetokenizer
+from common.text.tokenizer import Tokenizer
+from common.tiny.corpus import CORPUS
+from common.tiny.model import build_vocab, train_bpe
 
 SP_SPECIALS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 INTERESTING = [*"aé中文字😀👍🏽ñ…ü\u0301\u0303\u200d\n ▁", "👨‍👩‍👧", "🇫🇷", "<s>", "<|im_end|>"]
@@ -219,6 +219,6 @@ def test_empty_push_and_flush(tiny_tokenizer: Tokenizer) -> None:
 
 
 def _byte_symbol(b: int) -> str:
-    from common.tiny_model import bytes_to_unicode
+    from common.tiny.model import bytes_to_unicode
 
     return bytes_to_unicode()[b]

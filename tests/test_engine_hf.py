@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.model_config import ModelLoadError
-from common.sampling import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.model.config import ModelLoadError
+from common.wire.sampling_params import SamplingParams
 
 ARCHS = ("llama", "qwen2", "mistral")
 PROMPT_LENS = (1, 2, 7, 16, 17, 33, 100, 300)  # around block edges (16) and long

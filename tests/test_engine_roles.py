@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from common.block_allocator import BlockState
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling import SamplingParams
+from common.engine.block_allocator import BlockState
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.wire.sampling_params import SamplingParams
 
 
 def _engine(model_dir: Path, num_blocks: int = 64) -> LLMEngine:

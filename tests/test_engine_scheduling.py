@@ -14,10 +14,10 @@ import shutil
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.engine import LLMEngine, RequestError
-from common.sampling import SamplingParams
-from common.sequence import FinishReason
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine, RequestError
+from common.engine.sequence import FinishReason
+from common.wire.sampling_params import SamplingParams
 
 VOCAB = 512
 

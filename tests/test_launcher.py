@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import build_parser
-from common.launcher import LaunchError, NodeProcess, UpConfig, engine_flags, plan_nodes
+from common.cli.main import build_parser
+from common.cli.up import LaunchError, NodeProcess, UpConfig, engine_flags, plan_nodes
 
 READY = "print('pdserve node ready: http://127.0.0.1:1', flush=True)"
 

@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling import SamplingParams, sample
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.sampling import sample
+from common.wire.sampling_params import SamplingParams
 
 VOCAB = 64
 

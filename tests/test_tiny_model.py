@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-import common.tiny_model as tiny_model
-from common.tiny_model import MODEL_VERSION, default_cache_root, default_model_dir, train_bpe
-from common.tokenizer import Tokenizer
+import common.tiny.model as tiny_model
+from common.text.tokenizer import Tokenizer
+from common.tiny.model import MODEL_VERSION, default_cache_root, default_model_dir, train_bpe
 
 EXPECTED_FILES = {
     "config.json",
@@ -31,7 +31,7 @@ def digests(d: Path) -> dict[str, str]:
 
 
 def test_identical_bytes_across_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    code = "import sys; from common.tiny_model import make_tiny_model; make_tiny_model(sys.argv[1])"
+    code = "import sys; from common.tiny.model import make_tiny_model; make_tiny_model(sys.argv[1])"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(tmp_path / f"run{seed}")],

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.tokenizer import ChatTemplateError, Tokenizer
+from common.text.tokenizer import ChatTemplateError, Tokenizer
 
 CHATS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hello!"}],

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import zmq
 
-from common.messages import Message, PeerInfo
+from common.wire.messages import Message, PeerInfo
 from kv_transfer.config import TransferConfig
 from kv_transfer.layout import CacheLayout
 from kv_transfer.state import OutgoingTransfer

@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from common.messages import KVDone, Message, MessageError, PeerInfo, decode, encode
+from common.wire.messages import KVDone, Message, MessageError, PeerInfo, decode, encode
 from kv_transfer.backends.base import (
     Backend,
     BackendEvent,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.messages import BlockWrite, KVAborted, KVDone, Message, PeerInfo
+from common.wire.messages import BlockWrite, KVAborted, KVDone, Message, PeerInfo
 from kv_transfer.backends.base import (
     Backend,
     BackendEvent,

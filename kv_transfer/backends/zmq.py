@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from common.messages import (
+from common.wire.messages import (
     BlockWrite,
     KVAborted,
     KVDone,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.text.tokenizer import Tokenizer
+from common.wire.sampling_params import SamplingParams
 from tests.e2e.cluster import Cluster
 
 Topology = tuple[int, int, int]  # prefill, decode, colocated nodes

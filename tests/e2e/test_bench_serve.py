@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from proxy.bench_serve import main
+from proxy.bench.main import main
 from tests.e2e.cluster import Service, http_json
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")

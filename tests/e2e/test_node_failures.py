@@ -20,9 +20,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from common.sampling import SamplingParams
-from common.tiny_corpus import CORPUS
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
+from common.tiny.corpus import CORPUS
+from common.wire.sampling_params import SamplingParams
 from tests.e2e.aclient import Request, get_json, metric, stream_completion, until
 from tests.e2e.cluster import Cluster, Proc
 

@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from common.tiny_corpus import CORPUS
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
+from common.tiny.corpus import CORPUS
 from tests.e2e.aclient import Request, sample_sum, stream_completion, until
 from tests.e2e.cluster import Cluster, http_json
 from tests.e2e.conftest import start_cluster

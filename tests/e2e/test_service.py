@@ -12,9 +12,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from common.sampling import SamplingParams
-from common.tiny_corpus import CORPUS
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
+from common.tiny.corpus import CORPUS
+from common.wire.sampling_params import SamplingParams
 from tests.e2e.cluster import Cluster, http_json
 from tests.e2e.conftest import start_cluster
 

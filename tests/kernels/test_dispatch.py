@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import kernels
-from common.cli import build_parser, engine_config
-from common.config import EngineConfig
+from common.cli.engine_args import engine_config
+from common.cli.main import build_parser
+from common.engine.config import EngineConfig
 from kernels import dispatch
 from kernels.dispatch import TORCH, KernelBackendError, kernels_for
 
@@ -86,7 +87,7 @@ def test_importing_the_engine_does_not_import_triton():
     """A machine with a broken triton still runs the torch path."""
     code = (
         "import sys, torch; pre = 'triton' in sys.modules\n"
-        "import kernels, common.engine, common.cli\n"
+        "import kernels, common.engine.engine, common.cli\n"
         "assert not any(m.startswith('kernels.triton') for m in sys.modules)\n"
         "assert pre or 'triton' not in sys.modules\n"
     )

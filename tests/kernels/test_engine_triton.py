@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.sampling import SamplingParams
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.wire.sampling_params import SamplingParams
 
 PROMPTS = {"short": [5, 6, 7], "long": list(range(40, 77))}  # 3 and 37 tokens
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import zmq
 
-from common.fingerprint import Fingerprint
-from common.messages import Message
+from common.wire.fingerprint import Fingerprint
+from common.wire.messages import Message
 from kv_transfer import KVTransferAgent, TransferConfig
 
 log = logging.getLogger("node_proc")

@@ -12,7 +12,7 @@ from concurrent.futures import wait
 import pytest
 import torch
 
-from common.fingerprint import Fingerprint
+from common.wire.fingerprint import Fingerprint
 from kv_transfer import (
     AgentClosed,
     HandshakeError,

@@ -27,7 +27,7 @@ from kvt_harness import (
 )
 from node_proc import pattern
 
-from common.messages import TransferRequest, encode
+from common.wire.messages import TransferRequest, encode
 
 WAIT = 60.0
 BIG = dict(layers=8, heads=8, dim=64, block_size=16)  # 1 MiB float32 blocks

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.fingerprint import Fingerprint, FingerprintMismatch
-from common.messages import (
+from common.wire.fingerprint import Fingerprint, FingerprintMismatch
+from common.wire.messages import (
     Abort,
     Handshake,
     HandshakeReply,
@@ -22,7 +22,7 @@ from common.messages import (
     decode,
     encode,
 )
-from kv_transfer import Lease, TransferConfig
+from kv_transfer import TransferConfig
 from kv_transfer.state import (
     IllegalTransition,
     IncomingTransfer,
@@ -30,6 +30,7 @@ from kv_transfer.state import (
     OutgoingTransfer,
     OutState,
 )
+from prefill_node.lease import Lease
 
 FP = Fingerprint(
     weights_hash="abc", dtype="float32", block_size=16, num_layers=4, num_kv_heads=2, head_dim=64
@@ -159,3 +160,19 @@ def test_config_validation_and_env() -> None:
         False,
         "127.0.0.2",
     )
+
+
+def test_bench_tiny_shape_is_the_built_in_models() -> None:
+    """bench-transfer's "tiny" shape (written out, kv_transfer imports no model) is the tiny
+    model's KV block."""
+    from common.engine.config import EngineConfig
+    from common.tiny.model import TinyLlamaShape
+    from kv_transfer.bench.main import SHAPES
+
+    t, s = TinyLlamaShape(), SHAPES["tiny"]()
+    assert (s.layers, s.heads, s.head_dim) == (
+        t.num_hidden_layers,
+        t.num_key_value_heads,
+        t.head_dim,
+    )
+    assert s.block_size == EngineConfig(model="").block_size

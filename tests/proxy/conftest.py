@@ -22,10 +22,10 @@ from proxy_harness import (
     RecordingHooks,
 )
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.engine_loop import AsyncEngine
-from common.tokenizer import Tokenizer
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.loop import AsyncEngine
+from common.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

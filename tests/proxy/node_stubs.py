@@ -1,4 +1,4 @@
-"""Test doubles for the nodes' internal HTTP API (common.node_messages), on 127.0.0.1.
+"""Test doubles for the nodes' internal HTTP API (common.wire.node_messages), on 127.0.0.1.
 
 A `StubNode` answers /health, /state, /internal/{prefill,extend,decode,generate,cancel} with
 simple scripted behaviour and records every call, so tests can check what the proxy sent and
@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from common.messages import Cancel, Message
-from common.node_messages import (
+from common.wire.messages import Cancel, Message
+from common.wire.node_messages import (
     CancelResult,
     DecodeRequest,
     GenerateRequest,
@@ -33,12 +33,11 @@ from common.node_messages import (
     from_json,
     to_json,
 )
-from common.sampling import SamplingParams
-from proxy.interstage import InterStageConfig, InterStageQueue
+from common.wire.sampling_params import SamplingParams
 from proxy.metrics import InterStageMetrics
-from proxy.node_client import NodeClient
-from proxy.nodes import NodeRegistry, RegistryConfig
-from proxy.settings import NodeTimeouts
+from proxy.pool.client import NodeClient, NodeTimeouts
+from proxy.pool.interstage import InterStageConfig, InterStageQueue
+from proxy.pool.registry import NodeRegistry, RegistryConfig
 
 T = TypeVar("T")
 NDJSON = {"Content-Type": "application/x-ndjson"}

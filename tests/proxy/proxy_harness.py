@@ -11,15 +11,15 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from common.config import EngineConfig
-from common.engine import LLMEngine
-from common.engine_loop import AsyncEngine
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
-from proxy.backend import EngineBackend
-from proxy.errors import ApiError
-from proxy.hooks import ProxyHooks
-from proxy.server import ProxyConfig, build_app, make_runner
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.loop import AsyncEngine
+from common.text.tokenizer import Tokenizer
+from common.wire.sampling_params import SamplingParams
+from proxy.http.errors import ApiError
+from proxy.http.hooks import ProxyHooks
+from proxy.http.server import ProxyConfig, build_app, make_runner
+from tests.support.engine_backend import EngineBackend
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 512

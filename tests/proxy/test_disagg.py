@@ -11,14 +11,14 @@ import aiohttp
 import pytest
 from node_stubs import FAST, StubNode, eventually, proxy_stack, run, stubs
 
-from common.node_messages import DecodeRequest, PrefillRequest
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
-from proxy.backend import BackendError, GenerationRequest, TokenChunk
-from proxy.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from common.text.tokenizer import Tokenizer
+from common.wire.node_messages import DecodeRequest, PrefillRequest
+from common.wire.sampling_params import SamplingParams
+from proxy.http.backend import BackendError, GenerationRequest, TokenChunk
 from proxy.main import start_proxy
-from proxy.node_client import NodeClient
-from proxy.nodes import NodeRegistry, RegistryConfig
+from proxy.pool.client import NodeClient
+from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from proxy.pool.registry import NodeRegistry, RegistryConfig
 from proxy.settings import ProxySettings
 
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=4)

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.backend import BackendError
 from proxy.edge import EdgeConfig, EdgeMetrics, EdgeQueue
+from proxy.http.backend import BackendError
 
 
 def _queue(max_active: int, capacity: int) -> EdgeQueue:

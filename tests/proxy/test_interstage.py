@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from node_stubs import Stack, StubNode, decode_request, eventually, proxy_stack, run, stubs
 
-from proxy.backend import BackendError
-from proxy.interstage import QueueEntry
+from proxy.http.backend import BackendError
+from proxy.pool.interstage import QueueEntry
 
 
 async def _read_all(stack: Stack, entry: QueueEntry) -> list[int]:

@@ -9,7 +9,7 @@ import pytest
 from openai import OpenAI
 from proxy_harness import MAX_MODEL_LEN, MODEL, OfflineEngine, ProxyHarness
 
-from common.sampling import SamplingParams
+from common.wire.sampling_params import SamplingParams
 
 CHAT_PROMPT = "Hello, who are you?"
 TEXT_PROMPT = "The quick brown fox"

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from common.tokenizer import Tokenizer
-from proxy.backend import TokenChunk
-from proxy.text_stream import StopMatcher, TextDelta, TextStream
+from common.text.tokenizer import Tokenizer
+from proxy.http.backend import TokenChunk
+from proxy.http.text_stream import StopMatcher, TextDelta, TextStream
 
 ALPHABET = "ab cé€🌿\n你好"
 

@@ -9,11 +9,11 @@ import pytest
 from aiohttp import web
 from node_stubs import FAST, StubNode, eventually, run, stubs
 
-from proxy.admin import AdminRoutes
-from proxy.backend import BackendError
-from proxy.node_client import NodeClient
-from proxy.node_state import NodeStatus, Role
-from proxy.nodes import NodeRegistry, RegistrationError, RegistryConfig
+from proxy.http.backend import BackendError
+from proxy.pool.admin import AdminRoutes
+from proxy.pool.client import NodeClient
+from proxy.pool.node_state import NodeStatus, Role
+from proxy.pool.registry import NodeRegistry, RegistrationError, RegistryConfig
 
 
 class Registry:

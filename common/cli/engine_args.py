@@ -1,0 +1,46 @@
+"""The engine flags every command that runs an engine shares, and the config they fill."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.cli.models import model_dir
+from common.engine.config import EngineConfig
+from kernels.dispatch import BACKENDS
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model", default=None, help="local HF model dir (default: built-in tiny model)"
+    )
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    g.add_argument("--kv-cache-memory-mb", type=int, default=256)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument(
+        "--kernel-backend",
+        default=None,
+        choices=list(BACKENDS),
+        help="attention/KV kernels (default: $PDSERVE_KERNELS or auto: Triton on CUDA, "
+        "torch on CPU)",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir(args.model),
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory_mb * 2**20,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        threads=args.threads,
+        kernel_backend=args.kernel_backend,
+    )

@@ -1,0 +1,73 @@
+"""`pdserve node --role prefill|decode|both` (and `pdserve prefill`, `pdserve decode`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from common.cli.engine_args import engine_config
+from common.cli.logs import setup_logging
+from common.node.server import Node, NodeConfig
+from decode_node.colocated import ColocatedNode
+from decode_node.server import DecodeNode
+from kv_transfer.config import TransferConfig
+from prefill_node.server import PrefillNode
+
+
+def create_node(config: NodeConfig) -> Node:
+    """The role's server class for `config.role`."""
+    if config.role == "prefill":
+        return PrefillNode(config)
+    if config.role == "decode":
+        return DecodeNode(config)
+    return ColocatedNode(config)
+
+
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    transfer = TransferConfig.from_env(
+        backend=args.kv_backend, host=args.host, side_channel_port=args.kv_port
+    )
+    return NodeConfig(
+        role=args.fixed_role or args.role,
+        engine=engine_config(args),
+        host=args.host,
+        port=args.port,
+        transfer=transfer,
+        engine_id=args.engine_id,
+        kv_wait_timeout_s=args.kv_wait_timeout,
+        drain_timeout_s=args.drain_timeout,
+        debug_step_delay_s=args.debug_step_delay,
+        debug_transfer_delay_s=args.debug_transfer_delay,
+    )
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    return asyncio.run(serve(node_config(args)))
+
+
+async def serve(config: NodeConfig) -> int:
+    """Run a node until SIGINT/SIGTERM, then drain, free every block and return 0."""
+    node = create_node(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        url = await node.start()
+        print(f"pdserve node ready: {url} role={config.role} engine={node.engine_id}", flush=True)
+        await stop.wait()
+        logging.getLogger(__name__).info("stopping: draining in-flight requests")
+        await node.drain()
+    finally:
+        await node.stop()
+    if node.engine is not None:
+        node.engine.check_integrity()
+        blocks = node.engine.state()["blocks"]
+        logging.getLogger(__name__).info("stopped: blocks %s", json.dumps(blocks, sort_keys=True))
+    print(f"pdserve node stopped: {url}", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,51 @@
+"""`pdserve proxy`: its flags, and the settings record they fill."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from common.cli.logs import setup_logging
+from common.cli.models import model_dir
+from common.cli.proxy_args import split_urls
+from proxy.main import serve
+from proxy.pool.client import NodeTimeouts
+from proxy.settings import ProxySettings
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    """Configure logging and serve until a signal."""
+    setup_logging(args.log_level, args.access_log)
+    return asyncio.run(serve(settings_from_args(args)))
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    colocated = split_urls(args.colocated)
+    timeouts = NodeTimeouts(
+        connect_s=args.connect_timeout_s,
+        prefill_s=args.prefill_timeout_s,
+        first_byte_s=args.first_byte_timeout_s,
+        read_line_s=args.stream_timeout_s,
+    )
+    return ProxySettings(
+        model=model_dir(args.model),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        prefill=split_urls(args.prefill),
+        decode=split_urls(args.decode),
+        colocated=colocated,
+        mode=args.mode or ("colocated" if colocated else "disagg"),
+        lease_s=args.lease_s,
+        max_active_requests=args.max_active_requests,
+        edge_queue_capacity=args.edge_queue_capacity,
+        migrate_limit=args.migrate_limit,
+        trace_capacity=args.trace_capacity,
+        interstage_capacity=args.interstage_capacity,
+        interstage_max_wait_s=args.interstage_max_wait_s,
+        poll_interval_s=args.poll_interval_s,
+        timeouts=timeouts,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+    )

@@ -1,0 +1,65 @@
+"""`pdserve proxy` flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.cli.lazy import lazy
+from proxy.pool.client import NodeTimeouts
+
+
+def add_proxy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="local HF model dir (default: built-in model)")
+    p.add_argument("--served-model-name", default=None, help="the API's model name")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length to enforce")
+    nodes = p.add_argument_group("nodes (URL[,URL]; repeatable; more via POST /admin/nodes)")
+    nodes.add_argument("--prefill", action="append", default=[], metavar="URL[,URL]")
+    nodes.add_argument("--decode", action="append", default=[], metavar="URL[,URL]")
+    nodes.add_argument("--colocated", action="append", default=[], metavar="URL[,URL]")
+    nodes.add_argument(
+        "--mode",
+        choices=["disagg", "colocated"],
+        default=None,
+        help="default: colocated if --colocated is given, else disagg",
+    )
+    q = p.add_argument_group("routing and queues")
+    q.add_argument("--lease-s", type=float, default=30.0, help="prefill KV lease, extended")
+    q.add_argument(
+        "--max-active-requests", type=int, default=512, help="requests past the edge queue"
+    )
+    q.add_argument(
+        "--edge-queue-capacity", type=int, default=1024, help="waiting requests; beyond: 503"
+    )
+    q.add_argument(
+        "--migrate-limit",
+        type=int,
+        default=1,
+        help="times a stream may be re-prefilled onto another decode node after a node failure",
+    )
+    q.add_argument("--interstage-capacity", type=int, default=256)
+    p.add_argument("--trace-capacity", type=int, default=2048, help="recent request traces kept")
+    q.add_argument("--interstage-max-wait-s", type=float, default=300.0)
+    q.add_argument("--poll-interval-s", type=float, default=0.5, help="node health/state poll")
+    t = p.add_argument_group("timeouts (seconds)")
+    t.add_argument("--connect-timeout-s", type=float, default=NodeTimeouts.connect_s)
+    t.add_argument("--prefill-timeout-s", type=float, default=NodeTimeouts.prefill_s)
+    t.add_argument("--first-byte-timeout-s", type=float, default=NodeTimeouts.first_byte_s)
+    t.add_argument("--stream-timeout-s", type=float, default=NodeTimeouts.read_line_s)
+    t.add_argument("--shutdown-timeout-s", type=float, default=10.0)
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def split_urls(values: list[str]) -> tuple[str, ...]:
+    """Repeated and comma-separated flag values, flattened."""
+    return tuple(u.strip() for v in values for u in v.split(",") if u.strip())
+
+
+def add_proxy_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`pdserve proxy`."""
+    p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of node pools")
+    add_proxy_args(p)
+    p.set_defaults(func=lazy("common.cli.proxy", "cmd_proxy"))

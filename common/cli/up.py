@@ -1,0 +1,397 @@
+"""`pdserve up`: a whole service on this machine, the proxy in-process and nodes as children.
+
+    pdserve up                         # proxy on :8000, 1 prefill + 1 decode node
+    pdserve up --prefill 2 --decode 2 --num-blocks 512
+    pdserve up --colocated             # the baseline: one node that prefills and decodes
+
+Nodes are started as `python -m common.cli node --role ...` on free loopback ports, each in
+its own session (Ctrl-C reaches only this process, which stops them in order) and, on Linux,
+with a parent-death signal so they never outlive it. Their output goes to one log file each.
+With `--pin-cores`, node i runs on its own `--threads-per-node` cores (cores
+[i*T, (i+1)*T) of this process's CPU set, prefill nodes first), set in the child before exec so
+every thread torch starts inherits it; the proxy, in this process, stays on the whole set.
+Start-up waits for every node's ready line (or a 200 from its /health); a node that exits or
+does not get ready in time fails the launch with the tail of its log. SIGINT/SIGTERM stop the
+proxy (draining in-flight requests), then the nodes (SIGTERM, SIGKILL after a grace period);
+the exit status is then 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import ctypes
+import functools
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import aiohttp
+
+from common.cli.logs import setup_logging
+from common.cli.models import model_dir
+from common.cli.up_args import engine_flags
+from proxy.main import RunningProxy, start_proxy
+from proxy.settings import ProxySettings
+
+log = logging.getLogger(__name__)
+
+NODE_HOST = "127.0.0.1"
+READY_PREFIX = b"pdserve node ready:"
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str
+    host: str = "127.0.0.1"  # the proxy's listen address; nodes stay on loopback
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0  # > 0: that many `both` nodes instead of prefill/decode pools
+    kv_backend: str | None = None  # None: the node's default
+    threads_per_node: int = 1
+    pin_cores: bool = False  # node i on cores [i*T, (i+1)*T) of ours, T = threads_per_node
+    node_args: tuple[str, ...] = ()  # engine flags and extras, passed to every node
+    startup_timeout_s: float = 180.0
+    stop_grace_s: float = 20.0
+    log_dir: str | None = None  # default: a new temporary directory
+    lease_s: float = 30.0
+    interstage_capacity: int = 256
+    demo_prompt: str | None = None  # stream one chat completion through the proxy at start
+
+    def __post_init__(self) -> None:
+        if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
+            raise ValueError("node counts must be >= 0")
+        if self.colocated == 0 and (self.prefill < 1 or self.decode < 1):
+            raise ValueError("--prefill and --decode must be >= 1 (or use --colocated)")
+        if self.threads_per_node < 1:
+            raise ValueError(f"--threads-per-node must be >= 1, got {self.threads_per_node}")
+        if self.startup_timeout_s <= 0 or self.stop_grace_s <= 0:
+            raise ValueError("--startup-timeout-s and --stop-grace-s must be positive")
+        if self.pin_cores:
+            self.node_cpus()  # enough cores for every node, or a clear error now
+
+    def roles(self) -> list[str]:
+        if self.colocated:
+            return ["both"] * self.colocated
+        return ["prefill"] * self.prefill + ["decode"] * self.decode
+
+    def node_cpus(self) -> list[frozenset[int] | None]:
+        """Each node's CPU set, in `roles()` order: None (inherit ours) unless `pin_cores`."""
+        nodes = len(self.roles())
+        if not self.pin_cores:
+            return [None] * nodes
+        if not hasattr(os, "sched_getaffinity"):
+            raise ValueError("--pin-cores needs CPU affinity (Linux)")
+        ours = sorted(os.sched_getaffinity(0))
+        t = self.threads_per_node
+        if nodes * t > len(ours):
+            raise ValueError(
+                f"--pin-cores needs {nodes} nodes x {t} threads = {nodes * t} cores; "
+                f"this process may use {len(ours)} ({_cpu_list(ours)})"
+            )
+        return [frozenset(ours[i * t : (i + 1) * t]) for i in range(nodes)]
+
+
+class LaunchError(Exception):
+    """The service could not start; the message says which part and why."""
+
+
+class NodeProcess:
+    """One node child: started (on `cpus` if given), watched (its output copied to a log file,
+    the last lines kept), and stopped by pid."""
+
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        argv: list[str],
+        url: str,
+        log_path: Path,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
+        self.name, self.role, self.argv, self.url, self.log_path = name, role, argv, url, log_path
+        self.cpus = cpus
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.ready = False
+        self.stopping = False
+        self._proc: asyncio.subprocess.Process | None = None
+        self._pump: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def exited(self) -> bool:
+        return self._proc is not None and self._proc.returncode is not None
+
+    async def start(self) -> None:
+        log_file = open(self.log_path, "wb")  # closed by the pump
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+            preexec_fn=functools.partial(_child_setup, self.cpus),
+            limit=2**20,
+        )
+        self._pump = asyncio.get_running_loop().create_task(self._copy_output(log_file))
+
+    async def _copy_output(self, log_file: IO[bytes]) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        with log_file:
+            async for line in self._proc.stdout:
+                log_file.write(line)
+                log_file.flush()
+                self.tail.append(line.decode(errors="replace").rstrip())
+                self.ready = self.ready or line.startswith(READY_PREFIX)
+        code = await self._proc.wait()
+        if not self.stopping and self.ready:
+            log.error("%s exited with %s; last lines:\n%s", self.name, code, self.log_tail())
+
+    def log_tail(self) -> str:
+        return "\n".join(f"    {line}" for line in self.tail)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until the ready line or a 200 from /health; LaunchError if it exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+            while not self.ready:
+                if self._proc is not None and self._proc.returncode is not None:
+                    await self._drain_output()
+                    raise LaunchError(self._failure(f"exited with status {self._proc.returncode}"))
+                if time.monotonic() > deadline:
+                    raise LaunchError(self._failure(f"was not ready after {timeout_s:g} s"))
+                if await _health_ok(session, self.url):
+                    break
+                await asyncio.sleep(0.25)
+        self.ready = True
+
+    async def _drain_output(self) -> None:
+        """Let the pump copy the last of the output (a dead child's pipe ends at once)."""
+        if self._pump is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._pump), 5.0)
+
+    def _failure(self, what: str) -> str:
+        where = f"node {self.name} ({self.url})"
+        return f"{where} {what}; its log {self.log_path} ends:\n{self.log_tail()}"
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`; waits until it is gone."""
+        self.stopping = True
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except asyncio.TimeoutError:
+                log.warning("%s did not stop within %g s; killing it", self.name, grace_s)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        await self._drain_output()
+
+
+async def _health_ok(session: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with session.get(url + "/health") as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+def _child_setup(cpus: frozenset[int] | None) -> None:
+    """In the child, before exec: SIGTERM it when this process dies (Linux only), and bind it
+    to `cpus` (threads started after exec, torch's included, inherit the binding)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
+def _cpu_list(cpus: Iterable[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def free_port(host: str = NODE_HOST) -> int:
+    """A port free now (bound to 0, then released); a race with other processes remains."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def plan_nodes(cfg: UpConfig, log_dir: Path) -> list[NodeProcess]:
+    nodes = []
+    counts: dict[str, int] = {}
+    for role, cpus in zip(cfg.roles(), cfg.node_cpus(), strict=True):
+        index = counts[role] = counts.get(role, -1) + 1
+        name = f"{role}-{index}"
+        port = free_port()
+        argv = [sys.executable, "-m", "common.cli", "node", "--role", role]
+        argv += ["--host", NODE_HOST, "--port", str(port), "--model", cfg.model]
+        argv += ["--threads", str(cfg.threads_per_node)]
+        if cfg.kv_backend:
+            argv += ["--kv-backend", cfg.kv_backend]
+        argv += list(cfg.node_args)
+        url = f"http://{NODE_HOST}:{port}"
+        nodes.append(NodeProcess(name, role, argv, url, log_dir / f"{name}.log", cpus))
+    return nodes
+
+
+async def start_service(cfg: UpConfig, nodes: list[NodeProcess]) -> RunningProxy:
+    """Start every node, wait until each is ready, then the proxy in front of them."""
+    for node in nodes:
+        await node.start()
+    await asyncio.gather(*(node.wait_ready(cfg.startup_timeout_s) for node in nodes))
+    urls = {role: tuple(n.url for n in nodes if n.role == role) for role in ("prefill", "decode")}
+    settings = ProxySettings(
+        model=cfg.model,
+        host=cfg.host,
+        port=cfg.port,
+        prefill=urls["prefill"],
+        decode=urls["decode"],
+        colocated=tuple(n.url for n in nodes if n.role == "both"),
+        mode="colocated" if cfg.colocated else "disagg",
+        lease_s=cfg.lease_s,
+        interstage_capacity=cfg.interstage_capacity,
+    )
+    try:
+        return await start_proxy(settings)
+    except OSError as e:
+        raise LaunchError(f"cannot start the proxy on {cfg.host}:{cfg.port}: {e}") from None
+
+
+def _log_traces_to(path: Path) -> None:
+    """Each request's trace (one JSON line, logger pdserve.trace) to a file, not the console."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    trace_log = logging.getLogger("pdserve.trace")
+    trace_log.addHandler(handler)
+    trace_log.propagate = False
+
+
+async def up(cfg: UpConfig) -> int:
+    """Run the service until SIGINT/SIGTERM; 0 after a clean stop, 1 if it failed to start."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _log_traces_to(log_dir / "traces.jsonl")
+    nodes = plan_nodes(cfg, log_dir)
+    proxy: RunningProxy | None = None
+    startup = asyncio.ensure_future(start_service(cfg, nodes))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({startup, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not startup.done():  # interrupted while starting
+            return 0
+        proxy = startup.result()
+        _print_banner(cfg, proxy, nodes, log_dir)
+        if cfg.demo_prompt:
+            await _demo(proxy.url, proxy.parts.model_name, cfg.demo_prompt)
+        await stopped
+        print("pdserve up: stopping", file=sys.stderr, flush=True)
+        return 0
+    except LaunchError as e:
+        print(f"pdserve up: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for task in (startup, stopped):
+            task.cancel()
+        await asyncio.gather(startup, stopped, return_exceptions=True)
+        if proxy is not None:
+            await proxy.stop()
+        await asyncio.gather(*(node.stop(cfg.stop_grace_s) for node in nodes))
+
+
+def _print_banner(
+    cfg: UpConfig, proxy: RunningProxy, nodes: list[NodeProcess], log_dir: Path
+) -> None:
+    model = proxy.parts.model_name
+    body = (
+        f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+        '"max_tokens": 32, "stream": true}'
+    )
+    lines = [
+        *(f"  {n.name:<10} {n.url}  (pid {n.pid}{_cpus_note(n.cpus)})" for n in nodes),
+        f"pdserve proxy ready: {proxy.url}",
+        f"node logs and request traces (traces.jsonl): {log_dir}",
+        "try:",
+        f"  curl -N {proxy.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"    -d '{body}'",
+        "Ctrl-C stops the proxy and every node.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def _cpus_note(cpus: frozenset[int] | None) -> str:
+    return "" if cpus is None else f", cpus {_cpu_list(cpus)}"
+
+
+async def _demo(url: str, model: str, prompt: str) -> None:
+    """Stream one chat completion through the proxy's OpenAI API, printing tokens as they come."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+    }
+    print(f"\ndemo: POST {url}/v1/chat/completions  (stream, user: {prompt!r})\n", flush=True)
+    timeout = aiohttp.ClientTimeout(total=120, sock_connect=5)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: ") :])
+                    for choice in event.get("choices", []):
+                        print(choice.get("delta", {}).get("content") or "", end="", flush=True)
+                    if "error" in event:
+                        print(f"\n[error] {event['error'].get('message')}", flush=True)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        print(f"demo request failed: {e}", file=sys.stderr, flush=True)
+    print("\n\n(still serving; Ctrl-C stops everything)", flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    setup_logging("INFO")
+    cfg = UpConfig(
+        model=model_dir(args.model),
+        host=args.host,
+        port=args.port,
+        prefill=args.prefill,
+        decode=args.decode,
+        colocated=args.colocated,
+        kv_backend=args.kv_backend,
+        threads_per_node=args.threads or args.threads_per_node,
+        pin_cores=args.pin_cores,
+        node_args=tuple(engine_flags(args) + shlex.split(args.node_args)),
+        startup_timeout_s=args.startup_timeout_s,
+        stop_grace_s=args.stop_grace_s,
+        log_dir=args.log_dir,
+        demo_prompt=args.demo,
+        lease_s=args.lease_s,
+        interstage_capacity=args.interstage_capacity,
+    )
+    return asyncio.run(up(cfg))

@@ -1,0 +1,63 @@
+"""`pdserve up` flags, and the engine flags `up` passes on to every node."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.cli.engine_args import add_engine_args
+from common.cli.lazy import lazy
+
+
+def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`pdserve up`."""
+    p = sub.add_parser("up", help="start proxy + prefill and decode nodes on this machine")
+    p.add_argument("--host", default="127.0.0.1", help="the proxy's listen address")
+    p.add_argument("--port", type=int, default=8000, help="the proxy's port")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes")
+    p.add_argument(
+        "--colocated",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="run N (default 1) colocated nodes instead: the baseline",
+    )
+    p.add_argument("--kv-backend", choices=["nixl", "ucxx", "zmq"], default=None)
+    p.add_argument("--threads-per-node", type=int, default=1, help="torch threads per node")
+    p.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="bind node i to cores [i*T, (i+1)*T) of this process's CPU set "
+        "(T = --threads-per-node; prefill nodes first); the proxy stays unbound",
+    )
+    p.add_argument("--node-args", default="", help="more node flags, one shell-quoted string")
+    p.add_argument("--startup-timeout-s", type=float, default=180.0)
+    p.add_argument("--stop-grace-s", type=float, default=20.0)
+    p.add_argument("--log-dir", default=None, help="node logs (default: a new temp dir)")
+    p.add_argument("--lease-s", type=float, default=30.0)
+    p.add_argument("--interstage-capacity", type=int, default=256)
+    p.add_argument(
+        "--demo",
+        metavar="PROMPT",
+        default=None,
+        help="once serving, stream one chat completion for PROMPT through the proxy",
+    )
+    add_engine_args(p)
+    p.set_defaults(func=lazy("common.cli.up", "cmd_up"))
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags given on the command line that differ from their defaults (`--model`
+    and `--threads` are handled apart), to pass on to every node."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    flags: list[str] = []
+    for action in probe._actions:
+        if action.dest in ("model", "threads", "help"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value != action.default:
+            flags += [action.option_strings[0], str(value)]
+    return flags

@@ -1,0 +1,172 @@
+"""Run an `LLMEngine` on its own thread and drive it from asyncio.
+
+The engine thread loops "apply commands, step, publish outputs". It sleeps on an
+event when idle, so a submit wakes it at once. Outputs reach the event loop via
+`call_soon_threadsafe`; each request has its own asyncio queue. The HTTP event
+loop never runs model code, so /health answers while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from common.engine.engine import LLMEngine
+from common.engine.scheduler import StepOutput
+from common.wire.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineThread:
+    """Steps `engine` on a daemon thread and hands every step's outputs to `publish`."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        publish: Callable[[list[StepOutput]], None],
+        idle_wait: float = 0.5,
+        step_delay_s: float = 0.0,
+    ) -> None:
+        self.engine = engine
+        self._publish = publish
+        self._idle_wait = idle_wait
+        self._step_delay_s = step_delay_s  # testing: widen the windows between steps
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.has_work():
+                    self._wake.wait(self._idle_wait)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                if outputs:
+                    self._publish(outputs)
+                if self._step_delay_s:
+                    self._stop.wait(self._step_delay_s)
+        except BaseException as exc:  # the engine is broken: report, don't hang clients
+            log.exception("engine thread died")
+            self.error = exc
+            self._publish([])
+
+
+class AsyncEngine:
+    """asyncio front of an engine thread: `generate` streams a request's outputs."""
+
+    def __init__(self, engine: LLMEngine, step_delay_s: float = 0.0) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = EngineThread(engine, self._publish_threadsafe, step_delay_s=step_delay_s)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self._thread.stop)
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        hold_kv: bool = False,
+    ) -> AsyncIterator[StepOutput]:
+        """Stream a new request's outputs (raises RequestError at once if refused)."""
+        return self._submit(
+            request_id,
+            lambda: self.engine.add_request(request_id, prompt_token_ids, sampling, hold_kv),
+        )
+
+    def decode_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        sampling: SamplingParams,
+    ) -> AsyncIterator[StepOutput]:
+        """Stream a request whose prompt KV landed in its reserved blocks."""
+        return self._submit(
+            request_id,
+            lambda: self.engine.admit_prefilled(
+                request_id, prompt_token_ids, first_token_id, sampling
+            ),
+        )
+
+    def _submit(self, request_id: str, submit: Callable[[], None]) -> AsyncIterator[StepOutput]:
+        # The queue exists before the engine can produce output for the request.
+        # The caller must iterate the stream to its end or aclose() it.
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            submit()
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._thread.wake()
+        return self._stream(request_id, queue)
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[StepOutput]
+    ) -> AsyncIterator[StepOutput]:
+        """Yield outputs until the request finishes; abort it if the caller stops early."""
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if out.request_id == "" and self._thread.error is not None:
+                    raise RuntimeError("the engine stopped") from self._thread.error
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort_request(request_id)
+                self._thread.wake()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._thread.wake()
+
+    def release_held(self, request_id: str) -> None:
+        self.engine.release_held(request_id)
+        self._thread.wake()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Set once the engine thread died; the node should report unhealthy."""
+        return self._thread.error
+
+    def _publish_threadsafe(self, outputs: list[StepOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        if not outputs and self._thread.error is not None:
+            dead = StepOutput("", [], True, None)
+            for q in self._queues.values():
+                q.put_nowait(dead)
+            return
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)

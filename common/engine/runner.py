@@ -1,0 +1,84 @@
+"""Turns a scheduled batch into tensors, runs the model, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.sampling import sample
+from common.engine.scheduler import ScheduledBatch
+from common.engine.sequence import Sequence
+from common.model.attention import AttentionMetadata, PrefillSlice
+from common.model.decoder import LlamaForCausalLM
+from kernels.dispatch import Kernels
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flat rows whose logits are sampled
+    sample_seqs: list[Sequence]  # the sequence of each sampled row
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, kernels: Kernels
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.kernels = kernels
+        self.device = kv_cache.device
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        prefills: list[PrefillSlice] = []
+        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            if n > 1:
+                used = torch.tensor(table[: -(-end // bs)], device=self.device)
+                prefills.append(PrefillSlice(len(ids), n, start, used))
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if end == seq.num_tokens:
+                rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        decode = batch.seqs[: batch.num_decode]
+        width = max((len(s.block_table) for s in decode), default=0)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decode]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode=batch.num_decode,
+            decode_block_tables=self._tensor(tables).view(len(decode), width),
+            decode_context_lens=self._tensor([s.num_computed_tokens + 1 for s in decode]),
+            prefills=prefills,
+            kernels=self.kernels,
+        )
+        return StepInputs(self._tensor(ids), self._tensor(positions), meta, rows, sample_seqs)
+
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """One forward over the batch; returns the sampled token of each sampling entry."""
+        x = self.prepare(batch)
+        hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
+        if not x.sample_rows:
+            return []
+        logits = self.model.compute_logits(hidden[x.sample_rows])
+        return sample(
+            logits,
+            [s.sampling for s in x.sample_seqs],
+            [s.num_output_tokens for s in x.sample_seqs],
+        )
+
+    def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.int64, device=self.device)

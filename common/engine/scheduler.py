@@ -1,0 +1,230 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Each step gives every scheduled sequence a number of new tokens to compute:
+one for a decoding sequence, a chunk for one still prefilling (a new prompt, or
+a preempted sequence recomputing its tokens). Running sequences go first, oldest
+first, within a per-step token budget; waiting ones join while budget, sequence
+slots and blocks allow. When a running sequence needs a block and none is free,
+the newest running sequence is preempted: its blocks are freed and it waits to be
+recomputed. A sequence samples a token when its step computes its last token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.engine.block_allocator import BlockAllocator, BlockState
+from common.engine.sequence import FinishReason, SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)  # decode (1 token) entries first
+    num_new: list[int] = field(default_factory=list)
+    num_decode: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    # Prefill role: the prompt's KV blocks, now HELD, when the request stops here
+    # to be decoded elsewhere (finished is True, finish_reason None).
+    held_blocks: list[int] | None = None
+    # On a request's first output only: (arrival, first scheduled), wall-clock seconds.
+    times: tuple[float, float] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival
+        # Admission keeps a few blocks back so running sequences can grow.
+        self.watermark = max(1, allocator.num_blocks // 100)
+        self.num_preemptions = 0
+
+    # -- queries ---------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    # -- requests --------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose KV is already in its blocks (it decodes next step)."""
+        seq.transition(SeqStatus.RUNNING)
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+
+    # -- the step --------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        entries: list[tuple[Sequence, int]] = []
+        # Decoding sequences first (they bound inter-token latency), then chunks of
+        # sequences still prefilling; oldest first within each group.
+        pending = [s for s in self.running if s.num_uncomputed == 1]
+        pending += [s for s in self.running if s.num_uncomputed != 1]
+        pending.reverse()  # pop() takes the next one to schedule
+        while pending and budget > 0:
+            seq = pending.pop()
+            n = min(seq.num_uncomputed, budget)
+            need = self.blocks_needed(seq, seq.num_computed_tokens + n)
+            if not self._make_room(seq, pending, need):
+                continue  # seq itself was preempted
+            self._grow(seq, seq.num_computed_tokens + n)
+            entries.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            reserve = self.watermark if self.running else 0
+            if not self.allocator.can_allocate(self.blocks_needed(seq, n) + reserve):
+                break
+            self.waiting.popleft()
+            seq.transition(SeqStatus.RUNNING)
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.time()
+            self._grow(seq, n)
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            entries.append((seq, n))
+            budget -= n
+        return self._order(entries)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[StepOutput]:
+        """Advance computed counts, append sampled tokens, finish stopped sequences.
+
+        `sampled` holds one token per entry whose step reached its last token, in
+        batch order.
+        """
+        outputs: list[StepOutput] = []
+        it = iter(sampled)
+        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that is not the last one
+            token = next(it)
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+            elif seq.hold_kv:
+                held = self._hold(seq)
+                outputs.append(StepOutput(seq.request_id, [token], True, None, held, _times(seq)))
+                continue
+            outputs.append(
+                StepOutput(seq.request_id, [token], reason is not None, reason, None, _times(seq))
+            )
+        return outputs
+
+    def _hold(self, seq: Sequence) -> list[int]:
+        """Stop `seq` after its first token, keeping its prompt KV blocks as HELD."""
+        self.running.remove(seq)
+        held, seq.block_table = seq.block_table, []
+        self.allocator.transition(held, BlockState.HELD)
+        seq.transition(SeqStatus.FINISHED)
+        return held
+
+    # -- internals -------------------------------------------------------------
+
+    def _make_room(self, seq: Sequence, pending: list[Sequence], need: int) -> bool:
+        """Preempt the newest unscheduled running sequences until `need` blocks fit.
+
+        Candidates are `seq` and the sequences still `pending` this step. Returns
+        False if `seq` itself had to be preempted.
+        """
+        while not self.allocator.can_allocate(need):
+            victim = max([seq, *pending], key=lambda s: s.arrival)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+            pending.remove(victim)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.transition(SeqStatus.WAITING)
+        self.waiting.appendleft(seq)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        need = self.blocks_needed(seq, num_tokens)
+        if need:
+            seq.block_table += self.allocator.allocate(need)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+        seq.finish_reason = reason
+        seq.transition(SeqStatus.FINISHED)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        sp = seq.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _order(entries: list[tuple[Sequence, int]]) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        decode = [(s, n) for s, n in entries if n == 1]
+        prefill = [(s, n) for s, n in entries if n != 1]
+        for s, n in decode + prefill:
+            batch.seqs.append(s)
+            batch.num_new.append(n)
+        batch.num_decode = len(decode)
+        return batch
+
+
+def _times(seq: Sequence) -> tuple[float, float] | None:
+    """(arrival, first scheduled) the first time `seq` produces output, else None."""
+    if seq.times_reported:
+        return None
+    seq.times_reported = True
+    return seq.arrival_time, seq.scheduled_time or seq.arrival_time

@@ -1,0 +1,82 @@
+"""A request inside the engine: its tokens, KV blocks and lifecycle state."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+from common.wire.sampling_params import SamplingParams
+
+
+class SeqStatus(str, Enum):
+    WAITING = "waiting"  # queued, no blocks (new, or preempted for recompute)
+    RUNNING = "running"  # has blocks, scheduled every step
+    FINISHED = "finished"  # stopped (stop token, length) or aborted; blocks released
+
+
+_LEGAL: dict[SeqStatus, frozenset[SeqStatus]] = {
+    SeqStatus.WAITING: frozenset({SeqStatus.RUNNING, SeqStatus.FINISHED}),
+    SeqStatus.RUNNING: frozenset({SeqStatus.WAITING, SeqStatus.FINISHED}),
+    SeqStatus.FINISHED: frozenset(),
+}
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival: int,
+        hold_kv: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling = sampling
+        self.arrival = arrival
+        self.status = SeqStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_table: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        # Prefill role: after the first token, keep the prompt's KV blocks (HELD)
+        # for transfer instead of decoding on.
+        self.hold_kv = hold_kv
+        # Wall-clock seconds, for the request's trace and queue-wait metrics.
+        self.arrival_time = time.time()
+        self.scheduled_time: float | None = None  # first scheduled (left the queue)
+        self.times_reported = False
+
+    def transition(self, new: SeqStatus) -> None:
+        if new not in _LEGAL[self.status]:
+            raise RuntimeError(f"{self.request_id}: illegal {self.status.value} -> {new.value}")
+        self.status = new
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}, {self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

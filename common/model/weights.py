@@ -1,0 +1,138 @@
+"""Load HF safetensors checkpoints (single file or sharded) into `LlamaForCausalLM`.
+
+HF names map onto ours except that q/k/v and gate/up are fused: each HF tensor
+is copied into its slice of the fused parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from common.model.config import ModelConfig, ModelLoadError
+from common.model.decoder import LlamaForCausalLM, RotaryEmbedding
+
+# HF suffix -> (our suffix, index of the slice in the fused tensor)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shards listed in the index are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model directory {model_dir} has no *.safetensors weights")
+    return files
+
+
+def _slices(cfg: ModelConfig, fused: str) -> list[tuple[int, int]]:
+    if ".qkv_proj." in fused:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    i = cfg.intermediate_size
+    return [(0, i), (i, 2 * i)]
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    stem, _, kind = name.rpartition(".")  # kind: weight | bias
+    for hf, (ours, idx) in _FUSED.items():
+        if stem.endswith(hf):
+            return f"{stem[: -len(hf)]}{ours}.{kind}", idx
+    return name, None
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path) -> str:
+    """Copy every checkpoint tensor into `model`; return a hash of the weights.
+
+    Raises ModelLoadError if a parameter of the model is missing from the checkpoint.
+    """
+    cfg = model.config
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    digest = hashlib.sha256()
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in sorted(f.keys()):
+                if "rotary_emb" in name:
+                    continue
+                ours, idx = _target(name)
+                if ours not in params:
+                    raise ModelLoadError(f"unexpected tensor {name!r} in {path.name}")
+                tensor = f.get_tensor(name)
+                digest.update(name.encode())
+                digest.update(tensor.flatten()[:1024].float().numpy().tobytes())
+                digest.update(str(tuple(tensor.shape)).encode())
+                param = params[ours]
+                with torch.no_grad():
+                    if idx is None:
+                        _copy(param.data, tensor, name)
+                    else:
+                        lo, hi = _slices(cfg, ours)[idx]
+                        _copy(param.data[lo:hi], tensor, name)
+                filled.add(f"{ours}#{idx}")
+    _check_complete(model, filled)
+    return digest.hexdigest()[:16]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ModelLoadError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))
+
+
+def _check_complete(model: LlamaForCausalLM, filled: set[str]) -> None:
+    missing = []
+    for name, _ in model.named_parameters():
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            keys = [f"{name}#{i}" for i in range(3)]
+        elif name.endswith("gate_up_proj.weight"):
+            keys = [f"{name}#{i}" for i in range(2)]
+        else:
+            keys = [f"{name}#None"]
+        missing += [k for k in keys if k not in filled]
+    if model.config.tie_word_embeddings:
+        missing = [m for m in missing if not m.startswith("lm_head.")]
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing tensors: {missing[:5]}")
+
+
+def resolve_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
+    """`auto` keeps the checkpoint's dtype, except float16, which CPUs run poorly."""
+    name = cfg.torch_dtype if dtype == "auto" else dtype
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float32}
+    if name not in table:
+        raise ModelLoadError(f"unsupported dtype {name!r}; use float32 or bfloat16")
+    return table[name]
+
+
+def load_model(
+    model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
+) -> tuple[LlamaForCausalLM, str]:
+    """Build the model for `model_dir` and load its weights; returns (model, weights hash)."""
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    torch_dtype = resolve_dtype(cfg, dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(torch_dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope = RotaryEmbedding(cfg, device)
+    weights_hash = load_weights(model, model_dir)
+    return model.eval(), weights_hash

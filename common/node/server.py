@@ -1,0 +1,338 @@
+"""What every node server shares: engine thread, /health, /state, /metrics, cancel,
+NDJSON token streams, start-up and graceful shutdown.
+
+Role classes (prefill_node.server.PrefillNode, decode_node.server.DecodeNode,
+decode_node.colocated.ColocatedNode) add their internal routes; `create_node`
+picks one for a role. The engine runs on its own thread (common.engine.loop), so
+the event loop only parses, routes and streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine, RequestError
+from common.engine.loop import AsyncEngine
+from common.engine.scheduler import StepOutput
+from common.node.metrics import NodeMetrics
+from common.wire.errors import SERVER_ERROR, ApiError, error_response, invalid_request
+from common.wire.fingerprint import Fingerprint
+from common.wire.messages import Cancel, MessageError
+from common.wire.node_messages import CancelResult, NodeEvent, T, TokenDelta, from_json, to_json
+from kv_transfer.config import TransferConfig
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "both"]
+MAX_BODY_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: Role
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    engine_id: str = ""  # default: role-<random>
+    kv_wait_timeout_s: float = 30.0  # decode: give up on KV that never lands
+    lease_reap_interval_s: float = 0.1  # prefill: how often expired leases are freed
+    drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight work
+    # Fault injection for tests and drills: sleep after each engine step, and (prefill)
+    # before posting each KV write, so a request can be caught in a given stage.
+    debug_step_delay_s: float = 0.0
+    debug_transfer_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if self.kv_wait_timeout_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("kv_wait_timeout_s must be > 0 and drain_timeout_s >= 0")
+        if self.debug_step_delay_s < 0 or self.debug_transfer_delay_s < 0:
+            raise ValueError("debug delays must be >= 0")
+
+
+class Node:
+    """Base of the role servers. Subclasses set `role` and extend `routes`."""
+
+    role: ClassVar[Role]
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.engine_id = config.engine_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
+        self.engine: LLMEngine | None = None
+        self.front: AsyncEngine | None = None
+        self.fingerprint: Fingerprint | None = None
+        self.metrics = NodeMetrics(CollectorRegistry(), self.role, self.state)
+        self.draining = False
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Load the model, start the engine thread and role services, then serve."""
+        self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+        self.fingerprint = Fingerprint.for_kv_cache(self.engine.kv_cache, self.engine.weights_hash)
+        self.front = AsyncEngine(self.engine, step_delay_s=self.config.debug_step_delay_s)
+        await self.front.start()
+        await self.start_role()
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_middleware])
+        app.add_routes(self.routes())
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{self.config.host}:{port}"
+        return self.url
+
+    async def start_role(self) -> None:
+        """Role services (KV-transfer agent, background tasks). Default: none."""
+
+    async def drain(self) -> None:
+        """Stop admitting; wait (bounded) until in-flight work is done."""
+        self.draining = True
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def busy(self) -> bool:
+        return self.engine is not None and (
+            self.engine.has_work() or bool(self.engine.held) or bool(self.engine.reserved)
+        )
+
+    async def stop(self) -> None:
+        """Cancel what is left, free every block, close everything. Idempotent."""
+        self.draining = True
+        if self._runner is not None:
+            await self._runner.cleanup()  # cancels handlers: their streams abort requests
+            self._runner = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.stop_role()  # no task uses the role's resources any more
+        if self.front is not None:
+            await self.front.stop()
+
+    async def stop_role(self) -> None:
+        """Release role resources; blocks still held or reserved are freed here."""
+
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        """Start a task the node keeps a reference to and cancels on stop."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- routes ------------------------------------------------------------------
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/health", self.handle_health),
+            web.get("/state", self.handle_state),
+            web.get("/metrics", self.handle_metrics),
+            web.post("/internal/cancel", self.handle_cancel),
+        ]
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        ok = not self.draining and self.front is not None and self.front.error is None
+        body = {"status": "ok" if ok else "unavailable", "role": self.role}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def handle_state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.state())
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        data = generate_latest(self.metrics.registry)
+        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def handle_cancel(self, request: web.Request) -> web.Response:
+        msg = await read_message(request, Cancel)
+        stage = await self.cancel(msg.request_id)
+        if stage is not None:
+            self.metrics.cancellations.labels(stage=stage).inc()
+        return json_message(
+            CancelResult(request_id=msg.request_id, found=stage is not None, stage=stage)
+        )
+
+    async def cancel(self, request_id: str) -> str | None:
+        """End `request_id` wherever it is on this node; the stage it was found in (queued,
+        running, held, transfer, reserved), or None if it was not here."""
+        assert self.front is not None and self.engine is not None
+        stage = self.engine.stage_of(request_id)
+        self.front.abort(request_id)
+        return stage
+
+    def engine_events(
+        self, out: StepOutput, queue: str, admitted: str, first: str
+    ) -> list[NodeEvent]:
+        """Trace events from a request's first output, and its queue wait as a metric."""
+        assert out.times is not None
+        arrival, scheduled = out.times
+        self.metrics.queue_wait.labels(queue).observe(max(0.0, scheduled - arrival))
+        return [(admitted, scheduled), (first, time.time())]
+
+    # -- state -------------------------------------------------------------------
+
+    def model_fingerprint(self) -> str:
+        fp = self.fingerprint
+        if fp is None:
+            return ""
+        return f"{fp.weights_hash}/{fp.dtype}/bs{fp.block_size}/{fp.kv_layout}"
+
+    def state(self) -> dict[str, object]:
+        if self.engine is None:
+            return {"role": self.role, "engine_id": self.engine_id, "ready": False}
+        st = self.engine.state()
+        reqs = st["requests"]
+        blocks = st["blocks"]
+        assert isinstance(reqs, dict) and isinstance(blocks, dict)
+        cfg = self.engine.config
+        return {
+            "role": self.role,
+            "engine_id": self.engine_id,
+            "ready": True,
+            "draining": self.draining,
+            "model_fingerprint": self.model_fingerprint(),
+            "blocks": blocks,
+            "requests": {
+                "waiting": reqs["waiting"],
+                "running": reqs["running"],
+                "transferring": self.transferring(),
+                "held": reqs["held"],
+                "reserved": reqs["reserved"],
+            },
+            "capacity": {
+                "max_num_seqs": cfg.max_num_seqs,
+                "running": reqs["running"],
+                "reserved": reqs["reserved"],
+                "free_blocks": blocks["free"],
+                "block_size": cfg.block_size,
+                "block_bytes": self.engine.block_bytes,
+            },
+            "queued_prefill_tokens": sum(
+                s.num_uncomputed for s in list(self.engine.scheduler.waiting)
+            ),
+            "preemptions": st["preemptions"],
+        }
+
+    def transferring(self) -> int:
+        return 0
+
+    # -- helpers for role handlers -----------------------------------------------
+
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise ApiError(503, "node is draining", type=SERVER_ERROR, code="draining")
+        assert self.front is not None
+        if self.front.error is not None:
+            raise ApiError(503, "node engine stopped", type=SERVER_ERROR, code="engine_dead")
+
+
+async def read_message(request: web.Request, cls: type[T]) -> T:
+    """Parse the body as one `cls` record or raise a 400 ApiError."""
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, "request body too large", code="body_too_large") from None
+    try:
+        return from_json(body, cls)
+    except (MessageError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid_request(str(e)) from None
+
+
+def json_message(msg: object, status: int = 200) -> web.Response:
+    return web.Response(body=to_json(msg), status=status, content_type="application/json")  # type: ignore[arg-type]
+
+
+def ndjson_response() -> web.StreamResponse:
+    return web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+
+
+async def write_error_line(resp: web.StreamResponse, request_id: str, err: ApiError) -> None:
+    """The last line of a stream that failed after its headers went out."""
+    delta = TokenDelta(
+        request_id=request_id,
+        token_ids=[],
+        error=f"{err.code}: {err.message}",
+        error_code=err.code,
+    )
+    await resp.write(to_json(delta) + b"\n")
+    await resp.write_eof()
+
+
+async def stream_outputs(
+    request: web.Request,
+    request_id: str,
+    outputs: AsyncIterator[StepOutput],
+    resp: web.StreamResponse | None = None,
+    on_first: Callable[[StepOutput], list[NodeEvent]] | None = None,
+) -> web.StreamResponse:
+    """Write engine outputs as NDJSON TokenDelta lines until the request finishes.
+
+    `resp` may already be prepared. `on_first(output)` gives the trace events the first line
+    carries (called for the output that has the request's engine times). A disconnect
+    cancels this handler; closing `outputs` then aborts the request.
+    """
+    if resp is None:
+        resp = ndjson_response()
+        await resp.prepare(request)
+    try:
+        async for out in outputs:
+            reason = out.finish_reason.value if out.finish_reason is not None else None
+            events = on_first(out) if on_first is not None and out.times is not None else []
+            delta = TokenDelta(
+                request_id=request_id,
+                token_ids=out.new_token_ids,
+                finish_reason=reason,
+                events=events,
+            )
+            await resp.write(to_json(delta) + b"\n")
+    except RuntimeError as e:  # the engine died mid-stream
+        delta = TokenDelta(request_id=request_id, token_ids=[], error=str(e))
+        await resp.write(to_json(delta) + b"\n")
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    await resp.write_eof()
+    return resp
+
+
+def request_error(e: RequestError) -> ApiError:
+    return invalid_request(str(e))
+
+
+@web.middleware
+async def _errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return error_response(e)
+    except RequestError as e:
+        return error_response(request_error(e))
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return error_response(ApiError(e.status, e.reason, code=str(e.status)))
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(
+            ApiError(500, "internal error", type=SERVER_ERROR, code="internal_error")
+        )

@@ -1,0 +1,155 @@
+"""Records of the internal HTTP API between the proxy and the nodes.
+
+They share `common.wire.messages`' registry, type tags and protocol version; over
+HTTP they travel as JSON (`to_json` / `from_json`), one record per body, or one
+per line in a token stream (NDJSON).
+
+Internal API (every node: GET /health, GET /state, GET /metrics):
+
+    prefill  POST /internal/prefill   PrefillRequest -> PrefillResult
+             POST /internal/extend    LeaseExtend    -> LeaseExtendResult
+    decode   POST /internal/decode    DecodeRequest  -> 200 NDJSON TokenDelta stream,
+                                                        or 503 code "decode_full"
+    both     POST /internal/generate  GenerateRequest -> 200 NDJSON TokenDelta stream
+    all      POST /internal/cancel    Cancel         -> CancelResult
+
+Errors are OpenAI-style bodies {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from common.wire.fingerprint import PROTOCOL_VERSION
+from common.wire.messages import Message, MessageError, register
+from common.wire.sampling_params import SamplingParams
+
+FinishReasonName = Literal["stop", "length", "abort"]
+
+T = TypeVar("T", bound=Message)
+
+
+def to_json(msg: Message) -> bytes:
+    return msg.model_dump_json().encode()
+
+
+def from_json(data: bytes | str, cls: type[T]) -> T:
+    """Parse one `cls` record; raises MessageError naming what is wrong."""
+    try:
+        msg = cls.model_validate_json(data)
+    except ValidationError as e:
+        fields = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()
+        )
+        raise MessageError(f"invalid {cls.TYPE}: {fields}"[:500]) from None
+    if msg.version != PROTOCOL_VERSION:
+        raise MessageError(
+            f"{cls.TYPE}: protocol version {msg.version}, expected {PROTOCOL_VERSION}"
+        )
+    return msg
+
+
+class KVHandle(BaseModel):
+    """Where a prefilled request's KV is held, and until when."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine_id: str
+    side_channel: str  # the prefill node's KV-transfer side channel (zmq endpoint)
+    num_blocks: int = Field(gt=0)
+    num_tokens: int = Field(gt=0)  # KV of this many prompt tokens
+    lease_deadline: float  # unix time; the blocks are freed after it unless extended
+
+
+# A boundary a node saw, for the request's ownership trace: (event, wall-clock seconds).
+NodeEvent = tuple[str, float]
+
+
+@register
+class PrefillRequest(Message):
+    type: Literal["prefill_request"] = "prefill_request"
+    request_id: str = Field(min_length=1, max_length=128)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams
+    lease_s: float = Field(gt=0, le=3600)
+
+
+@register
+class PrefillResult(Message):
+    type: Literal["prefill_result"] = "prefill_result"
+    request_id: str
+    first_token_id: int
+    finish_reason: FinishReasonName | None  # set if the request ended at its first token
+    kv: KVHandle | None  # set iff finish_reason is None
+    events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # for the trace
+
+
+@register
+class DecodeRequest(Message):
+    type: Literal["decode_request"] = "decode_request"
+    request_id: str = Field(min_length=1, max_length=128)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    first_token_id: int
+    sampling: SamplingParams
+    kv: KVHandle
+
+
+@register
+class GenerateRequest(Message):
+    type: Literal["generate_request"] = "generate_request"
+    request_id: str = Field(min_length=1, max_length=128)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams
+
+
+@register
+class TokenDelta(Message):
+    """One line of a node's token stream; the last one has finish_reason or error."""
+
+    type: Literal["token_delta"] = "token_delta"
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReasonName | None = None
+    error: str | None = None
+    error_code: str | None = None  # e.g. kv_failed, kv_timeout: the proxy may retry elsewhere
+    events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # first line only
+
+
+@register
+class LeaseExtend(Message):
+    type: Literal["lease_extend"] = "lease_extend"
+    request_ids: list[str] = Field(max_length=4096)
+    lease_s: float = Field(gt=0, le=3600)
+
+
+@register
+class LeaseExtendResult(Message):
+    type: Literal["lease_extend_result"] = "lease_extend_result"
+    extended: list[str]
+    missing: list[str]  # unknown, expired or already sent
+
+
+@register
+class CancelResult(Message):
+    type: Literal["cancel_result"] = "cancel_result"
+    request_id: str
+    found: bool
+    stage: str | None = None  # where the node found it (queued, computing, held, ...)
+
+
+__all__ = [
+    "CancelResult",
+    "DecodeRequest",
+    "GenerateRequest",
+    "KVHandle",
+    "LeaseExtend",
+    "LeaseExtendResult",
+    "MessageError",
+    "PrefillRequest",
+    "PrefillResult",
+    "TokenDelta",
+    "from_json",
+    "to_json",
+]

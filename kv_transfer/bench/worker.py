@@ -1,0 +1,246 @@
+"""One side of `pdserve bench-transfer`: a process with a real KV cache and an agent.
+
+    python -m kv_transfer.bench.worker <control endpoint>
+
+Driven by kv_transfer.bench.main over a zmq PAIR socket with msgpack requests
+{"op": ..., ...}, answered {"ok": true, "result": ...} / {"ok": false, "error": ...}.
+A measured point runs entirely inside the two workers (receiver asks, sender
+writes), so the driver's own latency never enters a timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+from common.wire.fingerprint import Fingerprint
+from kv_transfer import KVReceived, KVTransferAgent, MessageReceived, TransferConfig, TransferDone
+from kv_transfer.layout import CacheLayout
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_WAIT_S = 120.0
+
+
+def pattern_byte(block_ids: np.ndarray) -> np.ndarray:
+    """The byte every byte of source block b holds (cheap to fill, to check)."""
+    return ((block_ids.astype(np.int64) * 7 + 1) % 251).astype(np.uint8)
+
+
+class Events:
+    """The agent's events, kept until someone waits for them (none is dropped)."""
+
+    def __init__(self, agent: KVTransferAgent) -> None:
+        self.agent = agent
+        self.pending: list[object] = []
+
+    def wait_for(self, match: Callable[[object], bool]) -> object:
+        deadline = time.monotonic() + _WAIT_S
+        while time.monotonic() < deadline:
+            for i, ev in enumerate(self.pending):
+                if match(ev):
+                    return self.pending.pop(i)
+            self.pending.extend(self.agent.wait_events(1.0))
+        raise TimeoutError("bench worker: awaited event never came")
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.agent: KVTransferAgent | None = None
+        self.cache: torch.Tensor | None = None
+        self.bare: dict = {}
+        self.ops: dict[str, Callable[[dict], object]] = {
+            "setup": self.setup,
+            "connect": lambda a: self.agent.connect(a["address"]),
+            "send_point": self.send_point,
+            "recv_point": self.recv_point,
+            "verify": self.verify,
+            "memcpy": self.memcpy,
+            "bare_target": self.bare_target,
+            "bare_point": self.bare_point,
+            "teardown": self.teardown,
+        }
+
+    def setup(self, a: dict) -> dict:
+        self.teardown(a)
+        s = a["shape"]
+        shape = (a["num_blocks"], s["layers"], 2, s["block_size"], s["heads"], s["head_dim"])
+        self.cache = torch.empty(shape, dtype=_DTYPES[s["dtype"]])
+        blocks = CacheLayout(self.cache).blocks
+        fill = pattern_byte(np.arange(a["num_blocks"])) if a["role"] == "sender" else None
+        for b in range(a["num_blocks"]):  # touch every page now, not during a timed transfer
+            blocks[b].fill_(int(fill[b]) if fill is not None else 0)
+        config = TransferConfig.from_env(backend=a["backend"])
+        fp = Fingerprint.for_kv_cache(self.cache, "bench")
+        self.agent = KVTransferAgent(config, self.cache, f"bench-{a['role']}", fp)
+        self.events = Events(self.agent)
+        return {"address": self.agent.address, "name": self.agent.agent_name}
+
+    def send_point(self, a: dict) -> dict:
+        """Await the receiver's TransferRequests, then per rep time write -> TransferDone,
+        back to back (as a busy prefill node would, and as the bare loop does)."""
+        reqs = [self.events.wait_for(lambda e, r=rid: _is_request(e, r)) for rid in a["rids"]]
+        starts, lat = [], []
+        for req, src in zip(reqs, a["src"], strict=True):
+            rid = req.message.request_id
+            t0 = time.perf_counter()
+            self.agent.write(rid, a["peer"], src, req.message.dst_block_ids)
+            self.events.wait_for(lambda e, r=rid: isinstance(e, TransferDone) and e.request_id == r)
+            lat.append(time.perf_counter() - t0)
+            starts.append(t0)
+        return {"starts": starts, "lat": lat}
+
+    def recv_point(self, a: dict) -> list[float]:
+        """Ask for every rep's write up front, note when each notification arrived."""
+        for rid, dst in zip(a["rids"], a["dst"], strict=True):
+            self.agent.request_transfer(a["peer"], rid, dst)
+        landed = []
+        for rid in a["rids"]:
+            self.events.wait_for(lambda e, r=rid: isinstance(e, KVReceived) and e.request_id == r)
+            landed.append(time.perf_counter())
+        return landed
+
+    def verify(self, a: dict) -> bool:
+        blocks = CacheLayout(self.cache).blocks
+        want = torch.from_numpy(pattern_byte(np.asarray(a["src"])))
+        got = blocks[torch.tensor(a["dst"])]
+        return bool((got == want[:, None]).all())
+
+    def memcpy(self, a: dict) -> list[float]:
+        """Plain torch copy of the same number of bytes (the ceiling), from a different
+        region of the cache each rep so that, like the transfers, it is not cache-hot."""
+        flat = CacheLayout(self.cache).blocks.view(-1)
+        nbytes, bb = a["nbytes"], self.cache[0].numel() * self.cache.element_size()
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(flat[:nbytes])  # fault the destination in
+        starts = _region_starts(self.cache.shape[0], nbytes // bb, a["reps"])
+        times = []
+        for start in starts:
+            src = flat[start * bb : start * bb + nbytes]
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    # -- bare NIXL: one contiguous region, one descriptor, no bookkeeping --------------------
+
+    def bare_target(self, a: dict) -> dict:
+        """Receiver side: a bare agent whose UCX worker a thread progresses every 1 ms
+        (connection wire-up needs the target's progress; the writes themselves do not)."""
+        agent, _ = self._bare_agent()
+        stop = threading.Event()
+
+        def progress() -> None:
+            while not stop.wait(0.001):
+                agent.get_new_notifs()
+
+        self.bare["stop"] = stop
+        self.bare["thread"] = threading.Thread(target=progress, daemon=True)
+        self.bare["thread"].start()
+        return {"metadata": agent.get_agent_metadata(), "addr": self.cache.data_ptr()}
+
+    def bare_point(self, a: dict) -> list[float]:
+        """One descriptor of n contiguous blocks per transfer, no notification, no layer:
+        descriptor lists prepared once (one entry per start block), then per rep
+        make_prepped_xfer + transfer + poll + release, at a different region each rep."""
+        agent, base = self._bare_agent()
+        if "peer" not in self.bare:
+            self.bare["peer"] = agent.add_remote_agent(a["metadata"])
+        bb = self.cache[0].numel() * self.cache.element_size()
+        n, num_blocks = a["nbytes"] // bb, self.cache.shape[0]
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _regions(base, num_blocks, n, bb), "DRAM")
+        remote = agent.prep_xfer_dlist(
+            self.bare["peer"], _regions(a["addr"], num_blocks, n, bb), "DRAM"
+        )
+        times = []
+        try:
+            for start in _region_starts(num_blocks, n, a["reps"]):
+                t0 = time.perf_counter()
+                handle = agent.make_prepped_xfer("WRITE", local, [start], remote, [start])
+                state = agent.transfer(handle)
+                while state == "PROC":
+                    state = agent.check_xfer_state(handle)
+                agent.release_xfer_handle(handle)
+                times.append(time.perf_counter() - t0)
+                if state != "DONE":
+                    raise RuntimeError(f"bare nixl transfer: {state}")
+        finally:
+            local.release()
+            remote.release()
+        return times
+
+    def _bare_agent(self) -> tuple[object, int]:
+        if "agent" not in self.bare:
+            from nixl._api import nixl_agent, nixl_agent_config
+
+            conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            agent = nixl_agent(f"bare-{uuid.uuid4().hex[:8]}", conf)
+            agent.register_memory(self.cache)
+            self.bare["agent"] = agent
+        return self.bare["agent"], self.cache.data_ptr()
+
+    def teardown(self, a: dict) -> None:
+        if "stop" in self.bare:
+            self.bare["stop"].set()
+            self.bare["thread"].join(5)
+        if self.agent is not None:
+            self.agent.close()
+        self.agent, self.bare = None, {}
+
+
+def _region_starts(num_blocks: int, n: int, reps: int) -> list[int]:
+    """A different start block per rep for a region of n contiguous blocks."""
+    rng = np.random.default_rng(n)
+    return rng.integers(0, num_blocks - n + 1, size=reps).tolist()
+
+
+def _regions(base: int, num_blocks: int, n: int, block_bytes: int) -> np.ndarray:
+    """[num_blocks - n + 1, 3] descriptors: n contiguous blocks starting at each block."""
+    starts = np.arange(num_blocks - n + 1, dtype=np.uint64)
+    rows = np.empty((starts.size, 3), dtype=np.uint64)
+    rows[:, 0] = base + starts * block_bytes
+    rows[:, 1] = n * block_bytes
+    rows[:, 2] = 0
+    return rows
+
+
+def _is_request(ev: object, rid: str) -> bool:
+    return isinstance(ev, MessageReceived) and getattr(ev.message, "request_id", None) == rid
+
+
+def main(endpoint: str) -> None:
+    # One intra-op thread: the memcpy ceiling is one copy stream, like one transfer, and
+    # torch's thread pool wake-ups made 2 MiB copies 25x slower on a busy 2-core host.
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.ERROR)  # peer-lost notes at teardown are expected
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    sock.send(msgpack.packb({"ready": True}))
+    worker = Worker()
+    while True:
+        req = msgpack.unpackb(sock.recv(), raw=False)
+        if req["op"] == "exit":
+            worker.teardown(req)
+            sock.send(msgpack.packb({"ok": True, "result": None}))
+            break
+        try:
+            reply = {"ok": True, "result": worker.ops[req["op"]](req)}
+        except Exception as e:  # reported to the driver, which stops the run
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        sock.send(msgpack.packb(reply, use_bin_type=True))
+    sock.close()
+    ctx.term()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

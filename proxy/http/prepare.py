@@ -1,0 +1,154 @@
+"""From a parsed OpenAI request to a `GenerationRequest`: model check, chat template,
+tokenization, context-length and vocabulary checks, sampling parameters.
+
+Everything here is a pure function of the request and the served model; errors are 4xx
+`ApiError`s naming the parameter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from common.text.tokenizer import ChatTemplateError, Tokenizer
+from common.wire.sampling_params import SamplingParams
+from proxy.http.backend import GenerationRequest
+from proxy.http.errors import ApiError, invalid_request
+from proxy.http.protocol import ChatCompletionRequest, CompletionRequest, GenerationParams
+
+# Prompts longer than this (characters) are tokenized on a worker thread, off the event loop.
+TOKENIZE_INLINE_MAX_CHARS = 16_384
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request ready for a backend, with what the HTTP layer keeps for itself."""
+
+    generation: GenerationRequest
+    stop: tuple[str, ...]  # stop strings, applied by the proxy
+    stream: bool
+    include_usage: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.generation.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.generation.prompt_token_ids)
+
+
+class RequestPreparer:
+    """Turns parsed requests into `PreparedRequest`s for one served model."""
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._vocab_size = tokenizer.vocab_size
+
+    async def completion(self, request_id: str, req: CompletionRequest) -> PreparedRequest:
+        self._check_model(req.model)
+        if isinstance(req.prompt, str):
+            ids = await _tokenize(req.prompt, self.tokenizer.encode, "prompt")
+        else:
+            ids = [int(t) for t in req.prompt]  # token ids: validation unwrapped [[ids]]
+            self._check_ids(ids, "prompt")
+        return self._finish(request_id, req, ids, "prompt")
+
+    async def chat(self, request_id: str, req: ChatCompletionRequest) -> PreparedRequest:
+        self._check_model(req.model)
+        messages = [m.template_dict() for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise invalid_request(str(e), param="messages") from e
+        ids = await _tokenize(text, self._encode_chat_text, "messages")
+        return self._finish(request_id, req, ids, "messages")
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _check_ids(self, ids: Sequence[int], param: str) -> None:
+        if any(not 0 <= t < self._vocab_size for t in ids):
+            raise invalid_request(f"token ids must be in [0, {self._vocab_size})", param=param)
+
+    def _max_tokens(self, requested: int | None, num_prompt: int, prompt_param: str) -> int:
+        """`requested`, or all the context the prompt leaves; 400 when it does not fit."""
+        context = self.max_model_len
+        if num_prompt >= context:
+            raise invalid_request(
+                f"This model's maximum context length is {context} tokens. However, your "
+                f"{prompt_param} has {num_prompt} tokens, leaving no room for a completion. "
+                f"Please reduce the length of the {prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return context - num_prompt
+        if num_prompt + requested > context:
+            raise invalid_request(
+                f"This model's maximum context length is {context} tokens. However, you "
+                f"requested {num_prompt + requested} tokens ({num_prompt} in the "
+                f"{prompt_param}, {requested} in the completion). Please reduce the length of "
+                f"the {prompt_param} or the completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    # -- assembly ----------------------------------------------------------------------------
+
+    def _finish(
+        self, request_id: str, req: GenerationParams, ids: list[int], prompt_param: str
+    ) -> PreparedRequest:
+        if not ids:
+            raise invalid_request(f"the {prompt_param} is empty", param=prompt_param)
+        self._check_ids(req.stop_token_ids, "stop_token_ids")
+        max_tokens = self._max_tokens(req.requested_max_tokens, len(ids), prompt_param)
+        try:
+            sampling = SamplingParams(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                stop_token_ids=tuple(req.stop_token_ids),
+                ignore_eos=req.ignore_eos,
+            )
+        except ValidationError as e:  # our bounds are tighter; this is a safety net
+            raise invalid_request(f"invalid sampling parameters: {e.errors()[0]['msg']}") from e
+        return PreparedRequest(
+            generation=GenerationRequest(request_id, ids, sampling),
+            stop=req.stop_strings,
+            stream=req.stream,
+            include_usage=req.include_usage,
+        )
+
+    def _encode_chat_text(self, text: str) -> list[int]:
+        # The template writes BOS and other special tokens itself (see Tokenizer.encode_chat).
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _tokenize(text: str, encode: Callable[[str], list[int]], param: str) -> list[int]:
+    """`encode(text)`, on a worker thread when the text is long; 400 on text the tokenizer
+    cannot take (e.g. lone surrogates)."""
+    try:
+        if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
+            return encode(text)
+        return await asyncio.to_thread(encode, text)
+    except (UnicodeError, TypeError, ValueError) as e:
+        raise invalid_request(f"the {param} cannot be tokenized: {e}", param=param) from e

@@ -1,0 +1,356 @@
+"""OpenAI-compatible request and response models (`/v1/completions`, `/v1/chat/completions`).
+
+Requests are validated strictly from the JSON text (no "1" -> 1 coercion, no NaN/Infinity);
+unknown fields are ignored, as OpenAI-compatible servers do. Fields we know but cannot serve
+(n > 1, logprobs, echo, penalties, ...) are refused with a 400 naming the field, never
+silently ignored. Checks that need the tokenizer or the context length live in `prepare.py`.
+`top_k`, `seed` (also OpenAI), `stop_token_ids` and `ignore_eos` are vLLM-style extensions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
+
+from proxy.http.errors import ApiError, invalid_request
+
+MAX_STOP_STRINGS = 4
+_UNION_TAG_CHARS = frozenset("[]()-")
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", frozen=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class GenerationParams(_Request):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the end of the context
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)  # -1 or 0: disabled
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported; only 0 is accepted")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are supported")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(
+        cls, v: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(GenerationParams):
+    """POST /v1/completions. `prompt`: text, [text], token ids, or [token ids]."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], str | list):
+            if len(v) != 1:
+                raise ValueError("exactly one prompt per request is supported")
+            v = v[0]
+        if len(v) == 0:
+            raise ValueError("the prompt is empty")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as the chat template sees it: text parts joined by newlines."""
+        if isinstance(self.content, list):
+            text = "\n".join(p.text for p in self.content)
+        else:
+            text = self.content or ""
+        out = {"role": self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(GenerationParams):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("tools are not supported")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse_request(model: type[GenerationParams], text: str) -> Any:
+    """Validate the JSON ``text`` as ``model``; raise a 400 ApiError naming the first bad
+    field."""
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise _to_api_error(e) from None
+
+
+def _to_api_error(e: ValidationError) -> ApiError:
+    errors = e.errors(include_url=False)
+    # With union-typed fields pydantic reports one error per member; the deepest one is the
+    # most specific (``messages[0].content[0].type`` rather than "should be a string").
+    first = max(errors, key=lambda err: len(err["loc"]))
+    if first["type"] == "json_invalid":
+        return invalid_request(f"the body is not valid JSON: {first['msg']}", code="invalid_json")
+    path = _param_path(first["loc"])
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    if not path:
+        return invalid_request(f"invalid request body: {msg}")
+    if first["type"] == "missing":
+        return invalid_request(f"missing required parameter '{path}'", param=path)
+    return invalid_request(f"invalid value for '{path}': {msg}", param=path)
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str:
+    """``('messages', 0, 'list[TextPart]', 1, 'text')`` -> ``messages[0][1].text``, dropping
+    pydantic's union-member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.lower() in _UNION_TAGS or _UNION_TAG_CHARS & set(part):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    """A completion, or (with `usage` None unless it is the usage chunk) a stream chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(_Response):
+    """A chat stream delta; serialized without its unset (None) fields."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(_Response):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdserve"
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

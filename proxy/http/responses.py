@@ -1,0 +1,136 @@
+"""Response bodies and SSE chunks for both endpoints, behind one small interface.
+
+Stream shape (OpenAI): chat starts with a role chunk; each text delta is one chunk; the delta
+that finishes carries `finish_reason`; with `stream_options.include_usage` every chunk has
+`"usage": null` and a last chunk with empty `choices` carries the usage; then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proxy.http.errors import ApiError
+from proxy.http.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    Usage,
+)
+from proxy.http.text_stream import TextDelta
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: str) -> bytes:
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+def sse_error(error: ApiError) -> bytes:
+    return sse_event(json.dumps(error.body()))
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body of one response shares."""
+
+    request_id: str
+    model: str
+    created: int  # unix seconds
+    include_usage: bool = False
+
+
+class ApiFormat(Protocol):
+    """Formats one request's output as its endpoint does."""
+
+    def stream_start(self) -> list[bytes]: ...
+
+    def stream_delta(self, delta: TextDelta) -> bytes | None: ...
+
+    def stream_usage(self, usage: Usage) -> bytes: ...
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]: ...
+
+
+class CompletionFormat:
+    """`/v1/completions` bodies (`text_completion` objects)."""
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        self.meta = meta
+
+    def stream_start(self) -> list[bytes]:
+        return []
+
+    def stream_delta(self, delta: TextDelta) -> bytes | None:
+        if not delta.text and delta.finish_reason is None:
+            return None
+        choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
+        return self._chunk([choice], None)
+
+    def stream_usage(self, usage: Usage) -> bytes:
+        return self._chunk([], usage)
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return self._body([choice], usage).model_dump(mode="json")
+
+    def _body(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
+        m = self.meta
+        return CompletionResponse(
+            id=m.request_id, created=m.created, model=m.model, choices=choices, usage=usage
+        )
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None) -> bytes:
+        exclude = None if self.meta.include_usage else {"usage"}
+        return sse_event(self._body(choices, usage).model_dump_json(exclude=exclude))
+
+
+class ChatFormat:
+    """`/v1/chat/completions` bodies (`chat.completion` and `chat.completion.chunk`)."""
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        self.meta = meta
+
+    def stream_start(self) -> list[bytes]:
+        first = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
+        return [self._chunk([first], None)]
+
+    def stream_delta(self, delta: TextDelta) -> bytes | None:
+        if not delta.text and delta.finish_reason is None:
+            return None
+        content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+        choice = ChatStreamChoice(delta=content, finish_reason=delta.finish_reason)
+        return self._chunk([choice], None)
+
+    def stream_usage(self, usage: Usage) -> bytes:
+        return self._chunk([], usage)
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        m = self.meta
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+        body = ChatCompletionResponse(
+            id=m.request_id, created=m.created, model=m.model, choices=[choice], usage=usage
+        )
+        return body.model_dump(mode="json")
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None) -> bytes:
+        m = self.meta
+        chunk = ChatCompletionChunk(
+            id=m.request_id, created=m.created, model=m.model, choices=choices, usage=usage
+        )
+        exclude = None if m.include_usage else {"usage"}
+        return sse_event(chunk.model_dump_json(exclude=exclude))

@@ -1,0 +1,79 @@
+"""Run-time node management on the proxy.
+
+    GET    /admin/nodes              {"fingerprint": ..., "nodes": [{url, role, healthy, ...}]}
+    POST   /admin/nodes {"url", "role"?}   register (role checked against the node's /state;
+                                           default: the role it reports) -> 201 {node}
+    DELETE /admin/nodes?url=URL      stop routing to a node (in-flight requests finish) -> {node}
+
+Errors are OpenAI-style bodies: 400 bad body or role, 409 conflict (fingerprint or role
+mismatch), 502 node unreachable, 404 unknown node.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from proxy.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, invalid_request
+from proxy.http.server import error_response, new_request_id
+from proxy.pool.registry import NodeRegistry, RegistrationError
+
+MAX_ADMIN_BODY = 64 * 1024
+
+
+class NodeRegistration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    role: str | None = None
+
+
+class AdminRoutes:
+    def __init__(self, registry: NodeRegistry) -> None:
+        self.registry = registry
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/admin/nodes", self.list_nodes)
+        app.router.add_post("/admin/nodes", self.register)
+        app.router.add_delete("/admin/nodes", self.remove)
+
+    async def list_nodes(self, request: web.Request) -> web.Response:
+        nodes = [n.describe() for n in self.registry.nodes()]
+        return web.json_response({"fingerprint": self.registry.fingerprint, "nodes": nodes})
+
+    async def register(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.content.read(MAX_ADMIN_BODY + 1)
+            if len(body) > MAX_ADMIN_BODY:
+                raise invalid_request("the body is too large")
+            reg = NodeRegistration.model_validate_json(body)
+            node = await self.registry.register(reg.url, reg.role)
+        except ValidationError as e:
+            return _error(invalid_request(f"expected {{'url', 'role'}}: {e.errors()[0]['msg']}"))
+        except RegistrationError as e:
+            return _error(_registration_error(e))
+        except ApiError as e:
+            return _error(e)
+        return web.json_response(node.describe(), status=201)
+
+    async def remove(self, request: web.Request) -> web.Response:
+        url = request.query.get("url")
+        if not url:
+            return _error(invalid_request("give the node as ?url=URL", param="url"))
+        try:
+            node = self.registry.remove(url)
+        except RegistrationError as e:
+            return _error(_registration_error(e))
+        if node is None:
+            return _error(ApiError(404, f"no node {url} is registered", code="node_not_found"))
+        return web.json_response(node.describe())
+
+
+def _registration_error(e: RegistrationError) -> ApiError:
+    code = {400: "invalid_node", 409: "node_conflict", 502: "node_unreachable"}.get(e.status)
+    error_type = SERVER_ERROR if e.status >= 500 else INVALID_REQUEST
+    return ApiError(e.status, e.message, type=error_type, param="url", code=code)
+
+
+def _error(error: ApiError) -> web.Response:
+    return error_response(error, new_request_id("admin"))

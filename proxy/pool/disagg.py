@@ -1,0 +1,300 @@
+"""Token backends over node pools: `DisaggBackend` (prefill pool -> inter-stage queue ->
+decode pool) and `ColocatedBackend` (nodes that prefill and decode locally).
+
+A disaggregated request moves through three stages, and closing its stream (`aclose`, or the
+consuming task cancelled) cancels it where it is, from tasks the `NodeClient` owns:
+
+    prefill call in flight   the HTTP call is dropped; Cancel -> prefill node
+    inter-stage queue        the entry is removed; Cancel -> prefill node (frees the held KV)
+    decode stream            the stream is closed (the decode node aborts on disconnect);
+                             Cancel -> decode node, and -> prefill node until a decode token
+                             arrived (the KV transfer may be in flight)
+
+The first token is yielded as soon as the prefill node returns it; the request is queued for
+decode before that yield, so the client's first write does not delay the decode.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from common.wire.node_messages import DecodeRequest, GenerateRequest, PrefillRequest, PrefillResult
+from proxy.http.backend import BackendError, GenerationRequest, NodeLost, TokenChunk, TokenStream
+from proxy.metrics import DisaggMetrics
+from proxy.pool.client import GENERATE_PATH, NodeClient, NodeStream, NodeUnreachable
+from proxy.pool.interstage import InterStageQueue, QueueEntry
+from proxy.pool.node_state import Node, Role
+from proxy.pool.registry import NodeRegistry
+from proxy.trace import TraceStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    lease_s: float = 30.0  # the prefill lease; the inter-stage queue extends it while waiting
+    node_attempts: int = 2  # nodes tried when one turns out unreachable before taking a request
+    migrate_limit: int = 1  # re-prefills of a started request after a node failure
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lease_s <= 3600:
+            raise ValueError(f"lease_s must be in (0, 3600], got {self.lease_s}")
+        if self.node_attempts < 1:
+            raise ValueError(f"node_attempts must be >= 1, got {self.node_attempts}")
+        if not 0 <= self.migrate_limit <= 16:
+            raise ValueError(f"migrate_limit must be in [0, 16], got {self.migrate_limit}")
+
+
+class DisaggBackend:
+    """`TokenBackend` over a prefill pool and a decode pool."""
+
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        client: NodeClient,
+        queue: InterStageQueue,
+        config: DisaggConfig | None = None,
+        metrics: DisaggMetrics | None = None,
+        traces: TraceStore | None = None,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.queue = queue
+        self.config = config or DisaggConfig()
+        self.metrics = metrics
+        self.traces = traces or TraceStore(1)
+
+    async def generate(self, req: GenerationRequest) -> TokenStream:
+        self._admit()
+        emitted: list[int] = []  # token ids yielded so far, over every attempt
+        attempt = req
+        for migration in range(self.config.migrate_limit + 1):
+            try:
+                async with aclosing(self._attempt(attempt)) as chunks:  # closed on every path
+                    async for chunk in chunks:
+                        emitted += chunk.token_ids
+                        yield chunk
+                return
+            except NodeLost as e:
+                if (
+                    migration == self.config.migrate_limit
+                    or not emitted
+                    or len(emitted) >= req.sampling.max_tokens
+                ):
+                    raise
+                if e.node_down:
+                    self.registry.report_failure(e.url, e.message)
+                if not self.registry.healthy(Role.DECODE):
+                    self._count("migrations", "no_decode_node")
+                    raise
+                self._count("migrations", "started")
+                self.traces.record(
+                    req.request_id, "migrating", detail=f"after {len(emitted)} tokens: {e.message}"
+                )
+                log.warning(
+                    "%s: %s; continuing after %d tokens by re-prefilling (migration %d of %d)",
+                    req.request_id,
+                    e.message,
+                    len(emitted),
+                    migration + 1,
+                    self.config.migrate_limit,
+                )
+                attempt = continuation(req, emitted, migration + 1)
+
+    async def _attempt(self, req: GenerationRequest) -> TokenStream:
+        """Prefill `req`, yield its first token, queue it for decode and relay the stream."""
+        prefill_url, result = await self._prefill(req)
+        first = TokenChunk([result.first_token_id], result.finish_reason)
+        if result.kv is None:
+            yield first
+            return
+        entry = self._enqueue(req, result, prefill_url)
+        self.traces.record(req.request_id, "inter-stage queued")
+        try:
+            yield first
+            stream = await self.queue.wait(entry)
+        except BaseException:  # GeneratorExit, CancelledError, the entry's BackendError
+            self.queue.cancel(entry)
+            raise
+        self.traces.record(req.request_id, "dispatched", detail=stream.url)
+        async with aclosing(
+            relay(stream, self.client, self.queue, prefill_url, self.traces)
+        ) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def _count(self, name: str, label: str) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, name).labels(label).inc()
+
+    def _admit(self) -> None:
+        """Refuse, before any prefill, what could only wait: no decode node is up, or the
+        inter-stage queue is full. (Queued requests keep waiting if the pool goes down.)"""
+        retry_after = self.queue.config.retry_after_s
+        if not self.registry.healthy(Role.DECODE):
+            raise BackendError.unavailable("no healthy decode node", retry_after=retry_after)
+        if self.queue.full():
+            raise BackendError.overloaded("the inter-stage queue is full", retry_after=retry_after)
+
+    async def _prefill(self, req: GenerationRequest) -> tuple[str, PrefillResult]:
+        msg = PrefillRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            lease_s=self.config.lease_s,
+        )
+        tried: set[str] = set()
+        while True:
+            node = self.registry.pick_prefill(exclude=frozenset(tried))
+            try:
+                return node.url, await self._prefill_on(node, msg)
+            except NodeUnreachable as e:  # it did not take the request: try another node
+                self._unreachable(node, e, msg.request_id)
+                self._count("retries", "prefill")
+                tried.add(node.url)
+                if len(tried) >= self.config.node_attempts:
+                    raise
+
+    def _unreachable(self, node: Node, e: NodeUnreachable, request_id: str) -> None:
+        _unreachable(self.registry, self.client, node, e, request_id)
+
+    async def _prefill_on(self, node: Node, msg: PrefillRequest) -> PrefillResult:
+        self.traces.record(msg.request_id, "routed", detail=f"prefill {node.url}")
+        with self.registry.track(node, len(msg.prompt_token_ids)):
+            try:
+                result = await self.client.prefill(node.url, msg)
+            except NodeUnreachable:
+                raise
+            except BaseException as e:  # cancelled, timed out, failed: it may hold the request
+                if not (isinstance(e, BackendError) and e.status < 500):
+                    self.client.cancel_soon(node.url, msg.request_id)
+                raise
+        if result.request_id != msg.request_id or (result.kv is None) == (
+            result.finish_reason is None
+        ):
+            self.client.cancel_soon(node.url, msg.request_id)
+            raise BackendError.failed(f"prefill node {node.url} answered an inconsistent result")
+        self.traces.record_node(msg.request_id, node.url, result.events)
+        return result
+
+    def _enqueue(
+        self, req: GenerationRequest, result: PrefillResult, prefill_url: str
+    ) -> QueueEntry:
+        assert result.kv is not None
+        decode = DecodeRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            first_token_id=result.first_token_id,
+            sampling=req.sampling,
+            kv=result.kv,
+        )
+        try:
+            return self.queue.submit(decode, prefill_url)
+        except BaseException:
+            self.client.cancel_soon(prefill_url, req.request_id)
+            raise
+
+
+class ColocatedBackend:
+    """`TokenBackend` over `both` nodes: the least busy one generates the whole request."""
+
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        client: NodeClient,
+        config: DisaggConfig | None = None,
+        traces: TraceStore | None = None,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.config = config or DisaggConfig()
+        self.traces = traces or TraceStore(1)
+
+    async def generate(self, req: GenerationRequest) -> TokenStream:
+        stream = await self._open(req)
+        async with aclosing(relay(stream, self.client, traces=self.traces)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _open(self, req: GenerationRequest) -> NodeStream:
+        msg = GenerateRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
+        )
+        tried: set[str] = set()
+        while True:
+            node = self.registry.pick_colocated(exclude=frozenset(tried))
+            node.sent(len(req.prompt_token_ids))
+            self.traces.record(req.request_id, "routed", detail=node.url)
+            try:
+                return await self.client.open_stream(node.url, GENERATE_PATH, msg, req.request_id)
+            except NodeUnreachable as e:
+                _unreachable(self.registry, self.client, node, e, req.request_id)
+                tried.add(node.url)
+                if len(tried) >= self.config.node_attempts:
+                    raise
+            except BaseException as e:
+                if not (isinstance(e, BackendError) and e.status < 500):
+                    self.client.cancel_soon(node.url, req.request_id)
+                raise
+
+
+def _unreachable(
+    registry: NodeRegistry, client: NodeClient, node: Node, e: NodeUnreachable, request_id: str
+) -> None:
+    registry.report_failure(node.url, e.message)
+    if e.maybe_received:
+        client.cancel_soon(node.url, request_id)
+
+
+def continuation(req: GenerationRequest, emitted: list[int], n: int) -> GenerationRequest:
+    """`req` continued after `emitted`: the prompt grows by the tokens so far, max_tokens
+    shrinks by as many, and seeded sampling resumes at the same output index. A new request
+    id: nodes may still hold state under the old one until they notice the failure."""
+    sp = req.sampling
+    sampling = sp.model_copy(
+        update={
+            "max_tokens": sp.max_tokens - len(emitted),
+            "output_index_base": sp.output_index_base + len(emitted),
+        }
+    )
+    return GenerationRequest(
+        request_id=f"{req.request_id}~{n}",
+        prompt_token_ids=[*req.prompt_token_ids, *emitted],
+        sampling=sampling,
+    )
+
+
+async def relay(
+    stream: NodeStream,
+    client: NodeClient,
+    queue: InterStageQueue | None = None,
+    prefill_url: str | None = None,
+    traces: TraceStore | None = None,
+) -> TokenStream:
+    """A node's token stream as TokenChunks; on any early end (close, error) the stream is
+    dropped and the request cancelled on the node (and on `prefill_url` while no token came,
+    since the KV transfer may still be in flight). Signals `queue` that capacity freed up."""
+    finished = received = False
+    try:
+        while True:
+            try:
+                chunk = await stream.next_chunk()
+            finally:
+                if stream.events and traces is not None:
+                    traces.record_node(stream.request_id, stream.url, stream.events)
+                stream.events = []
+            received = True
+            finished = chunk.finish_reason is not None
+            yield chunk
+            if finished:
+                return
+    finally:
+        stream.close()
+        if not finished:
+            client.cancel_soon(stream.url, stream.request_id)
+            if prefill_url is not None and not received:
+                client.cancel_soon(prefill_url, stream.request_id)
+        if queue is not None:
+            queue.notify_capacity()

@@ -1,0 +1,365 @@
+"""The inter-stage queue: prefilled requests waiting for decode capacity (DESIGN.md §1.3).
+
+A bounded FIFO. One dispatcher task offers the head entry to the decode nodes, most free
+capacity first (`POST /internal/decode`). When every node answers 503 "decode_full", the head
+stays at the head and the dispatcher waits for a capacity signal (`notify_capacity()`: a decode
+stream ended, a node came up) or a short backoff; nothing overtakes it. The waiter
+(`wait(entry)`) gets the accepted stream.
+
+While entries wait, a housekeeping task extends their prefill leases (one `LeaseExtend` per
+prefill node, each entry about every lease/3), fails entries whose lease is gone or whose wait
+exceeded `max_wait_s`, and cancels them on their prefill node.
+
+Entry states (one `transition()`; terminal: TAKEN, CANCELLED, FAILED):
+
+    QUEUED <-> OFFERING -> DISPATCHED -> TAKEN     (the waiter owns the decode stream)
+    QUEUED | OFFERING | DISPATCHED -> CANCELLED    (Cancel to the nodes holding it)
+    QUEUED | OFFERING -> FAILED                     (lease lost, no capacity in time, refused)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+
+from common.wire.node_messages import DecodeRequest, LeaseExtend
+from proxy.http.backend import BackendError, NodeLost
+from proxy.metrics import InterStageMetrics
+from proxy.pool.client import DECODE_PATH, DecodeFull, NodeClient, NodeStream, NodeUnreachable
+from proxy.pool.registry import NodeRegistry
+
+log = logging.getLogger(__name__)
+
+MAX_IDS_PER_EXTEND = 4096  # LeaseExtend.request_ids bound
+
+
+class EntryState(Enum):
+    QUEUED = "queued"
+    OFFERING = "offering"  # the dispatcher is offering it to decode nodes now
+    DISPATCHED = "dispatched"  # a decode node accepted it; the stream awaits its waiter
+    TAKEN = "taken"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+_LEGAL: dict[EntryState, frozenset[EntryState]] = {
+    EntryState.QUEUED: frozenset({EntryState.OFFERING, EntryState.CANCELLED, EntryState.FAILED}),
+    EntryState.OFFERING: frozenset(
+        {EntryState.QUEUED, EntryState.DISPATCHED, EntryState.CANCELLED, EntryState.FAILED}
+    ),
+    EntryState.DISPATCHED: frozenset({EntryState.TAKEN, EntryState.CANCELLED}),
+    EntryState.TAKEN: frozenset(),
+    EntryState.CANCELLED: frozenset(),
+    EntryState.FAILED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class QueueEntry:
+    """One prefilled request in the queue; `future` resolves to its accepted decode stream."""
+
+    request: DecodeRequest
+    prefill_url: str  # the node holding its KV under a lease
+    enqueued_at: float  # monotonic
+    future: asyncio.Future[NodeStream]
+    state: EntryState = EntryState.QUEUED
+    stream: NodeStream | None = None  # while DISPATCHED
+    extended_at: float = field(init=False)  # when its lease was last (re)started
+
+    def __post_init__(self) -> None:
+        self.extended_at = self.enqueued_at
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def transition(self, new: EntryState) -> None:
+        if new not in _LEGAL[self.state]:
+            raise ValueError(f"{self.request_id}: illegal transition {self.state} -> {new}")
+        self.state = new
+
+
+@dataclass(frozen=True)
+class InterStageConfig:
+    capacity: int = 256  # entries; a full queue answers 503 + Retry-After
+    lease_s: float = 30.0  # the prefill lease asked for, and each extension
+    max_wait_s: float = 300.0  # an entry waiting longer fails (503)
+    backoff_min_s: float = 0.01  # wait after an all-full round, doubled up to backoff_max_s
+    backoff_max_s: float = 0.25
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"interstage capacity must be >= 1, got {self.capacity}")
+        if not 0 < self.lease_s <= 3600:
+            raise ValueError(f"lease_s must be in (0, 3600], got {self.lease_s}")
+        if self.max_wait_s <= 0 or not 0 < self.backoff_min_s <= self.backoff_max_s:
+            raise ValueError("max_wait_s and backoffs must be positive, min <= max")
+
+    @property
+    def extend_every_s(self) -> float:
+        return self.lease_s / 3
+
+    @property
+    def tick_s(self) -> float:
+        return min(1.0, self.extend_every_s / 2)
+
+
+class InterStageQueue:
+    """`start()` the dispatcher and housekeeping tasks inside the loop; `stop()` fails what
+    is left (with a Cancel to its prefill node)."""
+
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        client: NodeClient,
+        metrics: InterStageMetrics,
+        config: InterStageConfig | None = None,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.metrics = metrics
+        self.config = config or InterStageConfig()
+        self._entries: OrderedDict[str, QueueEntry] = OrderedDict()  # QUEUED or OFFERING
+        self._work = asyncio.Event()
+        self._capacity = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- the waiters' side -------------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        return len(self._entries)
+
+    def full(self) -> bool:
+        return len(self._entries) >= self.config.capacity
+
+    def submit(self, request: DecodeRequest, prefill_url: str) -> QueueEntry:
+        """Queue a prefilled request; BackendError.overloaded when the queue is full. The
+        caller must end the entry with `wait` or `cancel`."""
+        if self.full():
+            raise BackendError.overloaded(
+                f"the inter-stage queue is full ({self.config.capacity} requests waiting for "
+                "decode capacity)",
+                retry_after=self.config.retry_after_s,
+            )
+        if request.request_id in self._entries:
+            raise ValueError(f"request {request.request_id} is already queued")
+        loop = asyncio.get_running_loop()
+        entry = QueueEntry(request, prefill_url, time.monotonic(), loop.create_future())
+        self._entries[entry.request_id] = entry
+        self._update_depth()
+        self._work.set()
+        return entry
+
+    async def wait(self, entry: QueueEntry) -> NodeStream:
+        """The accepted decode stream (the caller owns it from here), or the BackendError the
+        entry failed with. Cancelling the waiter cancels the entry."""
+        try:
+            stream = await entry.future
+        except asyncio.CancelledError:
+            self.cancel(entry)
+            raise
+        entry.transition(EntryState.TAKEN)
+        entry.stream = None
+        return stream
+
+    def cancel(self, entry: QueueEntry) -> None:
+        """End `entry` wherever it is, sending Cancels from background tasks; a no-op once it
+        is TAKEN, FAILED or CANCELLED. Never awaits."""
+        state = entry.state
+        if state in (EntryState.QUEUED, EntryState.OFFERING):
+            self._leave(entry, EntryState.CANCELLED, "cancelled")
+            self.client.cancel_soon(entry.prefill_url, entry.request_id)
+        elif state is EntryState.DISPATCHED:
+            entry.transition(EntryState.CANCELLED)
+            self._drop_stream(entry, entry.stream)
+        if entry.future.done() and not entry.future.cancelled():
+            entry.future.exception()  # retrieved: no "never retrieved" warning
+        entry.future.cancel()
+
+    def notify_capacity(self) -> None:
+        """Decode capacity may have freed up (a stream ended, a node came up)."""
+        self._capacity.set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._dispatch_forever(), name="interstage-dispatch"),
+            loop.create_task(self._housekeep_forever(), name="interstage-housekeeping"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        for entry in list(self._entries.values()):
+            self._fail(entry, BackendError.unavailable("the proxy is shutting down"), "failed")
+
+    # -- dispatcher --------------------------------------------------------------------------
+
+    async def _dispatch_forever(self) -> None:
+        backoff = self.config.backoff_min_s
+        while True:
+            entry = await self._head()
+            self._capacity.clear()  # a signal from now on means a new chance
+            entry.transition(EntryState.OFFERING)
+            try:
+                await self._offer(entry)
+            except Exception:  # a bug: fail this entry, keep serving the others
+                log.exception("%s: dispatch failed", entry.request_id)
+                self._fail(entry, BackendError.failed("dispatch to decode failed"), "failed")
+            if entry.state is not EntryState.OFFERING:
+                backoff = self.config.backoff_min_s
+                continue
+            entry.transition(EntryState.QUEUED)  # every node is full: wait, keep the head
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._capacity.wait(), backoff)
+            backoff = min(2 * backoff, self.config.backoff_max_s)
+
+    async def _head(self) -> QueueEntry:
+        while not self._entries:
+            self._work.clear()
+            await self._work.wait()
+        return next(iter(self._entries.values()))
+
+    async def _offer(self, entry: QueueEntry) -> None:
+        """Offer `entry` to each decode node in turn until one accepts it (DISPATCHED), it
+        fails or is cancelled; it stays OFFERING when every node is full."""
+        for node in self.registry.decode_candidates():
+            if entry.state is not EntryState.OFFERING:
+                return
+            try:
+                stream = await self.client.open_stream(
+                    node.url, DECODE_PATH, entry.request, entry.request_id
+                )
+            except DecodeFull:
+                self.metrics.decode_full.inc()
+                continue
+            except NodeUnreachable as e:
+                self.registry.report_failure(node.url, e.message)
+                if e.maybe_received:
+                    self.client.cancel_soon(node.url, entry.request_id)
+                continue
+            except BackendError as e:  # refused or failed: the node may hold a reservation
+                self.client.cancel_soon(node.url, entry.request_id)
+                self._fail(entry, e, "failed")
+                return
+            node.sent(len(entry.request.prompt_token_ids))
+            self._accept(entry, stream)
+            return
+
+    def _accept(self, entry: QueueEntry, stream: NodeStream) -> None:
+        if entry.state is not EntryState.OFFERING or entry.future.done():
+            # Cancelled while the offer was in flight (the prefill node has its Cancel).
+            self._drop_stream(entry, stream, cancel_prefill=False)
+            return
+        self._leave(entry, EntryState.DISPATCHED, "dispatched")
+        self.metrics.wait.observe(time.monotonic() - entry.enqueued_at)
+        entry.stream = stream
+        entry.future.set_result(stream)
+
+    def _drop_stream(
+        self, entry: QueueEntry, stream: NodeStream | None, cancel_prefill: bool = True
+    ) -> None:
+        """A decode stream nobody will read: close it and cancel the request on the decode
+        node, and on the prefill node (the KV transfer may be in flight)."""
+        if stream is not None:
+            stream.close()
+            self.client.cancel_soon(stream.url, entry.request_id)
+        if cancel_prefill:
+            self.client.cancel_soon(entry.prefill_url, entry.request_id)
+        self.notify_capacity()
+
+    # -- housekeeping: leases and overdue entries --------------------------------------------
+
+    async def _housekeep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            now = time.monotonic()
+            self._expire_overdue(now)
+            await self._extend_due(now)
+
+    def _expire_overdue(self, now: float) -> None:
+        for entry in list(self._entries.values()):
+            if (
+                entry.state is EntryState.QUEUED
+                and now - entry.enqueued_at > self.config.max_wait_s
+            ):
+                error = BackendError.unavailable(
+                    f"no decode capacity freed up within {self.config.max_wait_s:g} s",
+                    retry_after=self.config.retry_after_s,
+                )
+                self._fail(entry, error, "expired")
+
+    async def _extend_due(self, now: float) -> None:
+        due: defaultdict[str, list[QueueEntry]] = defaultdict(list)
+        for entry in self._entries.values():
+            if now - entry.extended_at >= self.config.extend_every_s:
+                due[entry.prefill_url].append(entry)
+        calls = [
+            self._extend_on(url, entries[i : i + MAX_IDS_PER_EXTEND])
+            for url, entries in due.items()
+            for i in range(0, len(entries), MAX_IDS_PER_EXTEND)
+        ]
+        await asyncio.gather(*calls)
+
+    async def _extend_on(self, url: str, entries: list[QueueEntry]) -> None:
+        sent_at = time.monotonic()
+        msg = LeaseExtend(request_ids=[e.request_id for e in entries], lease_s=self.config.lease_s)
+        try:
+            result = await self.client.extend(url, msg)
+        except NodeUnreachable as e:  # the node is gone, and the KV with it
+            self.metrics.lease_extensions.labels("error").inc()
+            for entry in entries:
+                if entry.state is EntryState.QUEUED:
+                    self._fail(entry, NodeLost(url, f"lost the prefilled KV: {e.message}", True))
+            return
+        except BackendError as e:  # timed out or failed: the next tick tries again
+            self.metrics.lease_extensions.labels("error").inc()
+            log.warning("extending %d leases on %s failed: %s", len(entries), url, e.message)
+            return
+        self.metrics.lease_extensions.labels("ok").inc()
+        self._apply_extension(entries, set(result.extended), set(result.missing), sent_at)
+
+    def _apply_extension(
+        self, entries: list[QueueEntry], extended: set[str], missing: set[str], sent_at: float
+    ) -> None:
+        for entry in entries:
+            if entry.request_id in extended:
+                entry.extended_at = sent_at
+            elif entry.request_id in missing and entry.state is EntryState.QUEUED:
+                # OFFERING ones may be "missing" because their transfer already started.
+                error = NodeLost(
+                    entry.prefill_url,
+                    "the prefill node no longer holds the request's KV (lease expired)",
+                    node_down=False,
+                )
+                self._fail(entry, error, "expired")
+
+    # -- transitions -------------------------------------------------------------------------
+
+    def _fail(self, entry: QueueEntry, error: BackendError, outcome: str = "failed") -> None:
+        self._leave(entry, EntryState.FAILED, outcome)
+        if not entry.future.done():
+            entry.future.set_exception(error)
+        self.client.cancel_soon(entry.prefill_url, entry.request_id)
+
+    def _leave(self, entry: QueueEntry, state: EntryState, outcome: str) -> None:
+        entry.transition(state)
+        if self._entries.pop(entry.request_id, None) is entry:
+            self.metrics.exits.labels(outcome).inc()
+            self._update_depth()
+
+    def _update_depth(self) -> None:
+        self.metrics.depth.set(len(self._entries))

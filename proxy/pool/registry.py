@@ -1,0 +1,250 @@
+"""The proxy's view of its nodes: who they are, whether they are up, how loaded they are.
+
+Every node is polled (`GET /health` and `GET /state`) every `poll_interval_s`; a failed or
+503 poll marks it DOWN, the next good one marks it UP again, so a node restarted at the same
+URL rejoins by itself. All nodes of one proxy must serve the same model: the first node whose
+`/state` is read sets the pool's `model_fingerprint`, and a node with another one is REFUSED
+(at `register`, with an error; when found by the poller, it is kept out of rotation).
+
+Routing reads the last `/state` plus what this proxy sent since that poll began (which the
+state cannot show yet): prefill goes to the node with the least queued prefill tokens; decode
+candidates are offered most-free-capacity first; colocated work goes to the least busy node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from proxy.http.backend import BackendError
+from proxy.pool.client import NodeClient, NodeUnreachable
+from proxy.pool.node_state import Node, NodeState, NodeStatus, Role, normalize_url
+
+log = logging.getLogger(__name__)
+
+NodeListener = Callable[[Node], None]
+
+
+class RegistrationError(Exception):
+    """A node cannot join: `status` 400 (bad request), 409 (conflict), 502 (unreachable)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    poll_interval_s: float = 0.5
+    roles: frozenset[Role] = frozenset({Role.PREFILL, Role.DECODE})  # roles this proxy routes to
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s must be positive, got {self.poll_interval_s}")
+
+
+class NodeRegistry:
+    """Nodes by URL. `start()` runs one poll round, then polls in the background."""
+
+    def __init__(self, client: NodeClient, config: RegistryConfig | None = None) -> None:
+        self.client = client
+        self.config = config or RegistryConfig()
+        self.fingerprint: str | None = None  # the pool's, set by the first node seen
+        self._fingerprint_source: str | None = None
+        self._nodes: dict[str, Node] = {}
+        self._listeners: list[NodeListener] = []
+        self._poller: asyncio.Task[None] | None = None
+        self._picks = 0
+
+    # -- membership --------------------------------------------------------------------------
+
+    def add(self, url: str, role: Role | str) -> Node:
+        """Add a node (from flags) without contacting it; the poller verifies it."""
+        url, role = _normalize(url), self._check_role(role)
+        node = self._nodes.get(url)
+        if node is not None:
+            if node.role is not role:
+                raise RegistrationError(409, f"{url} is already registered as {node.role.value}")
+            return node
+        node = self._nodes[url] = Node(url, role)
+        return node
+
+    async def register(self, url: str, role: Role | str | None = None) -> Node:
+        """Add a node now (POST /admin/nodes): it must answer, with the given role (default:
+        the role it reports) and the pool's fingerprint; RegistrationError otherwise."""
+        url = _normalize(url)
+        try:
+            healthy = await self.client.health(url)
+            state = NodeState.parse(await self.client.state(url))
+        except (NodeUnreachable, ValueError) as e:
+            raise RegistrationError(502, f"cannot register {url}: {e}") from None
+        expected = self._check_role(role if role is not None else state.role)
+        problem = self._mismatch(url, expected, state)
+        if problem:
+            raise RegistrationError(409, problem)
+        node = self.add(url, expected)
+        self._apply(node, healthy, state)
+        return node
+
+    def remove(self, url: str) -> Node | None:
+        return self._nodes.pop(_normalize(url), None)
+
+    def get(self, url: str) -> Node | None:
+        return self._nodes.get(url)
+
+    def nodes(self) -> list[Node]:
+        return list(self._nodes.values())
+
+    def healthy(self, role: Role) -> list[Node]:
+        return [n for n in self._nodes.values() if n.role is role and n.healthy]
+
+    def add_listener(self, listener: NodeListener) -> None:
+        """`listener(node)` is called (on the loop) whenever a node becomes healthy."""
+        self._listeners.append(listener)
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Node:
+        """The healthy prefill node with the least queued prefill work."""
+        nodes = self._candidates(Role.PREFILL, exclude)
+        return min(nodes, key=lambda n: (n.prefill_load(), n.inflight))
+
+    def decode_candidates(self) -> list[Node]:
+        """Healthy decode nodes, most free capacity first (the first offer goes there)."""
+        nodes = self._rotated([n for n in self.healthy(Role.DECODE)])
+        return sorted(nodes, key=lambda n: n.decode_room(), reverse=True)
+
+    def pick_colocated(self, exclude: frozenset[str] = frozenset()) -> Node:
+        """The healthy colocated (`both`) node with the fewest requests."""
+        nodes = self._candidates(Role.BOTH, exclude)
+        return min(nodes, key=lambda n: (n.busy(), -n.decode_room()[1]))
+
+    @contextlib.contextmanager
+    def track(self, node: Node, num_tokens: int) -> Iterator[None]:
+        """Count a request sent to `node` (for routing) while the block runs."""
+        node.sent(num_tokens)
+        node.inflight += 1
+        try:
+            yield
+        finally:
+            node.inflight -= 1
+
+    def report_failure(self, url: str, reason: str) -> None:
+        """A call found the node unreachable: out of rotation until a poll finds it up."""
+        node = self._nodes.get(url)
+        if node is not None and node.status is NodeStatus.UP:
+            self._set(node, NodeStatus.DOWN, reason)
+
+    def _candidates(self, role: Role, exclude: frozenset[str]) -> list[Node]:
+        nodes = [n for n in self.healthy(role) if n.url not in exclude]
+        if not nodes:
+            raise BackendError.unavailable(f"no healthy {role.value} node", retry_after=1.0)
+        return self._rotated(nodes)
+
+    def _rotated(self, nodes: list[Node]) -> list[Node]:
+        """`nodes` rotated by a counter, so that ties are broken round robin."""
+        self._picks += 1
+        k = self._picks % len(nodes) if nodes else 0
+        return nodes[k:] + nodes[:k]
+
+    # -- polling -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for node in list(self._nodes.values()):  # in order: the first registered sets the pool
+            await self._poll(node)
+        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(n) for n in list(self._nodes.values())))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_s)
+            await self.poll_all()
+
+    async def _poll(self, node: Node) -> None:
+        mark = node.sent_mark()
+        try:
+            healthy = await self.client.health(node.url)
+            state = NodeState.parse(await self.client.state(node.url))
+        except (NodeUnreachable, ValueError) as e:
+            if self._nodes.get(node.url) is node:
+                self._set(node, NodeStatus.DOWN, str(e))
+            return
+        if self._nodes.get(node.url) is not node:  # removed meanwhile
+            return
+        node.forget_sent(mark)
+        problem = self._mismatch(node.url, node.role, state)
+        if problem:
+            self._set(node, NodeStatus.REFUSED, problem)
+            return
+        self._apply(node, healthy, state)
+
+    # -- checks and transitions --------------------------------------------------------------
+
+    def _check_role(self, role: Role | str) -> Role:
+        try:
+            role = Role(role)
+        except ValueError:
+            raise RegistrationError(400, f"unknown role {role!r}") from None
+        if role not in self.config.roles:
+            allowed = ", ".join(sorted(r.value for r in self.config.roles))
+            raise RegistrationError(400, f"this proxy routes to {allowed} nodes, not {role.value}")
+        return role
+
+    def _mismatch(self, url: str, role: Role, state: NodeState) -> str | None:
+        """Why `state` cannot serve as `role` in this pool; None if it can."""
+        if state.role != role.value:
+            return f"{url} reports role {state.role!r}, registered as {role.value!r}"
+        if self.fingerprint is not None and state.model_fingerprint != self.fingerprint:
+            return (
+                f"{url} serves model fingerprint {state.model_fingerprint!r}, but this pool "
+                f"serves {self.fingerprint!r} (set by {self._fingerprint_source}); refused"
+            )
+        return None
+
+    def _apply(self, node: Node, healthy: bool, state: NodeState) -> None:
+        if self.fingerprint is None:
+            self.fingerprint, self._fingerprint_source = state.model_fingerprint, node.url
+            log.info("pool model fingerprint %s (from %s)", self.fingerprint, node.url)
+        node.observe(state, time.monotonic())
+        if healthy:
+            self._set(node, NodeStatus.UP, None)
+        else:
+            self._set(node, NodeStatus.DOWN, "GET /health answered 503")
+
+    def _set(self, node: Node, status: NodeStatus, error: str | None) -> None:
+        previous = node.status
+        node.transition(status, error)
+        if previous is status:
+            return
+        log.info(
+            "node %s (%s): %s -> %s %s",
+            node.url,
+            node.role.value,
+            previous.value,
+            status.value,
+            error or "",
+        )
+        if status is NodeStatus.UP:
+            for listener in self._listeners:
+                listener(node)
+
+
+def _normalize(url: str) -> str:
+    try:
+        return normalize_url(url)
+    except ValueError as e:
+        raise RegistrationError(400, str(e)) from None
