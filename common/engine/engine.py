@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,16 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request the engine refuses (bad length, duplicate id): the client's fault."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's result from `LLMEngine.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the generated tokens, a stop token included as the engine emits it
+    finish_reason: FinishReason
 
 
 @dataclass(frozen=True)
@@ -198,6 +210,39 @@ class LLMEngine:
             raise RequestError(
                 f"prompt + max_tokens needs {total} tokens of KV; this node holds {capacity}"
             )
+
+    # -- the offline API --------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Seq[list[int]],
+        sampling: SamplingParams | Seq[SamplingParams],
+        max_steps: int = 1_000_000,
+    ) -> list[Completion]:
+        """Run `prompts` to completion on the calling thread, batched as the engine
+        schedules them; one Completion per prompt, in order. Nothing else may step this
+        engine meanwhile (no engine thread). Raises RequestError if a prompt is refused."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
+        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, list(prompt), sp)
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        reasons: dict[str, FinishReason] = {}
+        for _ in range(max_steps):
+            if len(reasons) == len(ids):
+                break
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished and out.finish_reason is not None:
+                    reasons[out.request_id] = out.finish_reason
+        else:
+            raise RuntimeError(f"generate: not finished after {max_steps} steps")
+        return [
+            Completion(rid, list(p), tokens[rid], reasons[rid])
+            for rid, p in zip(ids, prompts, strict=True)
+        ]
 
     # -- the step (engine thread) ----------------------------------------------
 
