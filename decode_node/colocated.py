@@ -11,11 +11,11 @@ import time
 from aiohttp import web
 
 from common.engine.scheduler import StepOutput
-from common.node.server import Node, read_message, stream_outputs
+from common.node.server import NodeServer, read_message, stream_outputs
 from common.wire.node_messages import GenerateRequest, NodeEvent
 
 
-class ColocatedNode(Node):
+class ColocatedNode(NodeServer):
     role = "both"
 
     def routes(self) -> list[web.RouteDef]:
@@ -25,7 +25,6 @@ class ColocatedNode(Node):
         self.check_admitting()
         received = time.time()
         msg = await read_message(request, GenerateRequest)
-        assert self.front is not None
         outputs = self.front.generate(msg.request_id, msg.prompt_token_ids, msg.sampling)
         self.metrics.requests.labels(outcome="admitted").inc()
 

@@ -16,14 +16,23 @@ import time
 from aiohttp import web
 
 from common.engine.scheduler import StepOutput
-from common.node.server import ndjson_response, read_message, stream_outputs, write_error_line
+from common.node.server import (
+    NodeConfig,
+    NodeRuntime,
+    ndjson_response,
+    read_message,
+    stream_outputs,
+    write_error_line,
+)
 from common.node.transfer import TransferNode
 from common.wire.errors import SERVER_ERROR, ApiError, invalid_request
 from common.wire.node_messages import DecodeRequest, NodeEvent
-from decode_node.incoming import Incoming, InState
+from common.wire.stage import Stage
+from decode_node.incoming import IN_FLIGHT, Incoming, IncomingState
 from kv_transfer import (
     HandshakeError,
     KVReceived,
+    KVTransferAgent,
     PeerLost,
     Quiescent,
     TransferEvent,
@@ -37,23 +46,32 @@ log = logging.getLogger(__name__)
 class DecodeNode(TransferNode):
     role = "decode"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.incoming: dict[str, Incoming] = {}
+    def __init__(self, config: NodeConfig, runtime: NodeRuntime, agent: KVTransferAgent) -> None:
+        super().__init__(config, runtime, agent)
         self._peers: dict[str, str] = {}  # side-channel address -> peer id
 
     def release_all(self) -> None:
-        for entry in list(self.incoming.values()):
+        for entry in self._pending():
             self._free(entry)
 
     def routes(self) -> list[web.RouteDef]:
         return [*super().routes(), web.post("/internal/decode", self.handle_decode)]
 
     def transferring(self) -> int:
-        return sum(1 for e in self.incoming.values() if e.state is InState.RECEIVING)
+        return sum(1 for e in self._pending() if e.state is IncomingState.RECEIVING)
 
     def busy(self) -> bool:
-        return super().busy() or bool(self.incoming)
+        return super().busy() or bool(self._pending())
+
+    def _entry(self, request_id: str) -> Incoming | None:
+        """The request's incoming-KV record while the node owns its reservation."""
+        record = self.engine.record(request_id)
+        entry = record.transfer if record is not None else None
+        return entry if isinstance(entry, Incoming) and entry.pending else None
+
+    def _pending(self) -> list[Incoming]:
+        entries = (r.transfer for r in self.engine.records())
+        return [e for e in entries if isinstance(e, Incoming) and e.pending]
 
     # -- decode ------------------------------------------------------------------
 
@@ -61,26 +79,27 @@ class DecodeNode(TransferNode):
         self.check_admitting()
         received = time.time()
         msg = await read_message(request, DecodeRequest)
-        assert self.engine is not None and self.front is not None
         self.engine.validate(msg.prompt_token_ids, msg.sampling)
-        blocks = self.engine.reserve(msg.request_id, msg.kv.num_tokens)
+        blocks = await self.front.reserve(msg.request_id, msg.kv.num_tokens)
         if blocks is None:
             raise ApiError(503, "decode node is full", type=SERVER_ERROR, code="decode_full")
         if len(blocks) != msg.kv.num_blocks:
-            self.engine.free_reserved(msg.request_id)
+            self.front.free_reserved(msg.request_id)
             raise invalid_request(
                 f"the prefill node holds {msg.kv.num_blocks} blocks for {msg.kv.num_tokens} "
                 f"tokens; this node needs {len(blocks)} (block sizes differ?)"
             )
-        entry = Incoming(msg.request_id, blocks, asyncio.get_running_loop().create_future())
+        entry = Incoming(msg.request_id, len(blocks), asyncio.get_running_loop().create_future())
         entry.events += [("decode received", received), ("decode reserved", time.time())]
-        self.incoming[msg.request_id] = entry
+        record = self.engine.record(msg.request_id)
+        assert record is not None and record.transfer is None, msg.request_id
+        record.transfer = entry
         # Headers go out once the blocks are reserved: the proxy's dispatcher moves
         # on to the next queued request while this one's KV is in flight.
         resp = ndjson_response()
         try:
             await resp.prepare(request)
-            await self._receive(entry, msg)
+            await self._receive(entry, msg, blocks)
         except ApiError as err:
             self._abandon(entry)
             self.metrics.requests.labels(outcome=err.code or "failed").inc()
@@ -89,7 +108,6 @@ class DecodeNode(TransferNode):
         except BaseException:
             self._abandon(entry)
             raise
-        del self.incoming[msg.request_id]
         outputs = self.front.decode_prefilled(
             msg.request_id, msg.prompt_token_ids, msg.first_token_id, msg.sampling
         )
@@ -102,20 +120,19 @@ class DecodeNode(TransferNode):
 
         return await stream_outputs(request, msg.request_id, outputs, resp, first)
 
-    async def _receive(self, entry: Incoming, msg: DecodeRequest) -> None:
-        """Pull the KV into entry.blocks; return once it landed, else raise ApiError."""
-        assert self.agent is not None
+    async def _receive(self, entry: Incoming, msg: DecodeRequest, blocks: list[int]) -> None:
+        """Pull the KV into `blocks`; return once it landed (LANDED), else raise ApiError."""
         peer_id = await self._peer(msg.kv.side_channel)
         if entry.cancelled:
             raise ApiError(409, f"request {entry.request_id} was cancelled", code="cancelled")
         try:
-            self.agent.request_transfer(peer_id, entry.request_id, entry.blocks)
+            self.agent.request_transfer(peer_id, entry.request_id, blocks)
         except TransferRejected as e:
             raise ApiError(
                 502, f"KV transfer refused: {e}", type=SERVER_ERROR, code="kv_failed"
             ) from None
         entry.peer_id = peer_id
-        entry.transition(InState.RECEIVING)
+        entry.transition(IncomingState.RECEIVING)
         entry.events.append(("transfer start", time.time()))
         try:
             landed = await asyncio.wait_for(
@@ -134,11 +151,10 @@ class DecodeNode(TransferNode):
                 type=SERVER_ERROR,
                 code=code,
             )
-        entry.transition(InState.LANDED)
+        entry.transition(IncomingState.LANDED)  # from here the blocks are the sequence's
         entry.events.append(("transfer done", time.time()))
 
     async def _peer(self, address: str) -> str:
-        assert self.agent is not None
         peer_id = self._peers.get(address)
         if peer_id is None:
             try:
@@ -152,34 +168,33 @@ class DecodeNode(TransferNode):
 
     # -- cancel and release ------------------------------------------------------
 
-    async def cancel(self, request_id: str) -> str | None:
-        entry = self.incoming.get(request_id)
+    async def cancel(self, request_id: str) -> Stage | None:
+        entry = self._entry(request_id)
         if entry is None:
             return await super().cancel(request_id)  # running: the engine aborts it
-        entry.cancelled = True
-        if entry.state is InState.RECEIVING:
-            assert self.agent is not None
+        if entry.state is IncomingState.RESERVED:
+            entry.transition(IncomingState.CANCELLED)  # the handler stops before the transfer
+            return Stage.RESERVED
+        if entry.state is IncomingState.RECEIVING:
+            entry.transition(IncomingState.CANCELLING)
             self.agent.abort(request_id)  # the handler returns on the terminal event
-            return "transfer"
-        return "reserved"
+        return Stage.RESERVED if entry.state is IncomingState.CANCELLED else Stage.TRANSFER
 
     def _abandon(self, entry: Incoming) -> None:
         """The handler is gone (cancelled, timed out, failed): free when it is safe."""
-        if entry.state is InState.FREED:
+        if not entry.pending:
             return
-        if entry.done.done() or entry.state is InState.RESERVED:
+        if entry.done.done() or entry.state not in IN_FLIGHT:
             self._free(entry)  # nothing can write into the blocks any more
             return
-        entry.abandoned = True
-        assert self.agent is not None
+        if entry.state is not IncomingState.ABANDONED:
+            entry.transition(IncomingState.ABANDONED)
         self.agent.abort(entry.request_id)  # False: the terminal event is already queued
 
     def _free(self, entry: Incoming) -> None:
-        assert self.engine is not None
-        self.incoming.pop(entry.request_id, None)
-        if entry.state is not InState.FREED:
-            entry.transition(InState.FREED)
-            self.engine.free_reserved(entry.request_id)
+        if entry.pending:
+            entry.transition(IncomingState.FREED)
+            self.front.free_reserved(entry.request_id)
 
     # -- KV-transfer events --------------------------------------------------------
 
@@ -198,11 +213,11 @@ class DecodeNode(TransferNode):
                 pass
 
     def _terminal(self, request_id: str, landed: bool, failure: str) -> None:
-        entry = self.incoming.get(request_id)
+        entry = self._entry(request_id)
         if entry is None:
             return
         entry.failure = failure
-        if entry.abandoned:
+        if entry.state is IncomingState.ABANDONED:
             self._free(entry)
         elif not entry.done.done():
             entry.done.set_result(landed)

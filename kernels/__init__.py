@@ -9,7 +9,7 @@ A slot is `block_id * block_size + offset`; a negative slot is padding.
 Kernels, each in `reference.py` (torch) and in Triton beside it:
     store_kv                 new tokens' K/V into their slots (triton_cache.py)
     paged_decode_attention   one query per sequence, GQA, ragged contexts (triton_attention.py)
-    paged_prefill_attention  a causal chunk over its cached prefix (triton_attention.py)
+    paged_prefill_attention  a causal chunk over its cached prefix (triton_prefill.py)
     pack_blocks / unpack_blocks  blocks <-> a contiguous staging buffer (triton_cache.py)
 Prefill is a Triton flash-attention kernel too, not torch SDPA: SDPA would need
 the prefix gathered out of the paged cache into a contiguous copy first, which

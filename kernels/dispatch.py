@@ -64,14 +64,14 @@ TORCH = Kernels(
 def _load_triton() -> Kernels | KernelBackendError:
     # The outcome, failure included, is cached: a broken install is tried once.
     try:
-        from kernels import triton_attention, triton_cache
+        from kernels import triton_attention, triton_cache, triton_prefill
     except Exception as e:  # a broken triton install fails in many ways
         return KernelBackendError(f"the Triton kernel backend is unavailable: {e!r}")
     return Kernels(
         name="triton",
         store_kv=triton_cache.store_kv,
         paged_decode_attention=triton_attention.paged_decode_attention,
-        paged_prefill_attention=triton_attention.paged_prefill_attention,
+        paged_prefill_attention=triton_prefill.paged_prefill_attention,
         pack_blocks=triton_cache.pack_blocks,
         unpack_blocks=triton_cache.unpack_blocks,
     )

@@ -1,8 +1,9 @@
 """The prefill node: prompt in, first token and a KV handle out; KV written to decode.
 
 POST /internal/prefill runs the prompt through the engine with `hold_kv`: the
-engine samples the first token and keeps the prompt's KV blocks HELD. The node
-puts them under a lease (prefill_node.held) and answers with a KVHandle. A
+engine samples the first token and keeps the prompt's KV blocks HELD in the
+request's record. The node puts them under a lease (`HeldKV`, attached to that
+record) and answers with a KVHandle. A
 decode node then sends a TransferRequest over the KV-transfer side channel; the
 node WRITEs the held blocks into the named destination blocks and frees its own
 only when the transfer reports a terminal event (done, failed, quiescent).
@@ -17,7 +18,7 @@ import time
 
 from aiohttp import web
 
-from common.engine.scheduler import StepOutput
+from common.engine.scheduler import OutputKind, StepOutput
 from common.engine.sequence import FinishReason
 from common.node.server import json_message, read_message
 from common.node.transfer import TransferNode
@@ -31,6 +32,7 @@ from common.wire.node_messages import (
     PrefillRequest,
     PrefillResult,
 )
+from common.wire.stage import Stage
 from kv_transfer import (
     MessageReceived,
     Quiescent,
@@ -39,7 +41,7 @@ from kv_transfer import (
     TransferFailed,
     TransferRejected,
 )
-from prefill_node.held import HeldKV, HeldState, HeldTable
+from prefill_node.held import HeldKV, HeldState
 from prefill_node.lease import Lease
 
 log = logging.getLogger(__name__)
@@ -48,17 +50,13 @@ log = logging.getLogger(__name__)
 class PrefillNode(TransferNode):
     role = "prefill"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.held = HeldTable()
-
-    async def start_role(self) -> None:
-        await super().start_role()
+    def start_role(self) -> None:
+        super().start_role()
         self.spawn(self._reap_leases(), "lease-reaper")
 
     def release_all(self) -> None:
-        for entry in self.held.entries():
-            self._release(entry.request_id, "shutdown")
+        for entry in self._held():
+            self._release(entry, "shutdown")
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -68,10 +66,22 @@ class PrefillNode(TransferNode):
         ]
 
     def transferring(self) -> int:
-        return self.held.count(HeldState.SENDING)
+        return sum(1 for e in self._held() if e.sending)
 
     def busy(self) -> bool:
-        return super().busy() or len(self.held) > 0
+        return super().busy() or bool(self._held())
+
+    def _entry(self, request_id: str) -> HeldKV | None:
+        """The request's held-KV record, unless it was released."""
+        record = self.engine.record(request_id)
+        entry = record.transfer if record is not None else None
+        if isinstance(entry, HeldKV) and entry.state is not HeldState.RELEASED:
+            return entry
+        return None
+
+    def _held(self) -> list[HeldKV]:
+        entries = (r.transfer for r in self.engine.records())
+        return [e for e in entries if isinstance(e, HeldKV) and e.state is not HeldState.RELEASED]
 
     # -- prefill -----------------------------------------------------------------
 
@@ -79,7 +89,6 @@ class PrefillNode(TransferNode):
         self.check_admitting()
         received = time.time()
         msg = await read_message(request, PrefillRequest)
-        assert self.front is not None and self.agent is not None
         outputs = self.front.generate(
             msg.request_id, msg.prompt_token_ids, msg.sampling, hold_kv=True
         )
@@ -90,10 +99,10 @@ class PrefillNode(TransferNode):
                 final = out
                 if out.times is not None:
                     events += self.engine_events(out, "prefill", "prefill admitted", "prefill done")
-                if out.held_blocks is not None:
+                if out.kind is OutputKind.HELD:
                     # No await between the engine's hold and this: a cancelled handler
                     # either never saw the hold (the engine frees it on abort) or holds it.
-                    self._hold(msg, out.held_blocks)
+                    self._hold(msg, out)
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
         assert final is not None
@@ -106,23 +115,27 @@ class PrefillNode(TransferNode):
             events.append(("held", time.time()))
         return json_message(result.model_copy(update={"events": events}))
 
-    def _hold(self, msg: PrefillRequest, blocks: list[int]) -> None:
-        lease = Lease.grant(msg.request_id, blocks, msg.lease_s)
-        self.held.add(HeldKV(msg.request_id, blocks, len(msg.prompt_token_ids), lease))
+    def _hold(self, msg: PrefillRequest, out: StepOutput) -> None:
+        """Put the request's HELD blocks under a lease: attach a HeldKV to its record."""
+        assert out.held_blocks is not None
+        record = self.engine.record(msg.request_id)
+        assert record is not None and record.transfer is None, msg.request_id
+        lease = Lease.grant(msg.request_id, out.held_blocks, msg.lease_s)
+        n = len(out.held_blocks)
+        record.transfer = HeldKV(msg.request_id, n, len(msg.prompt_token_ids), lease)
 
     def _result(self, msg: PrefillRequest, out: StepOutput) -> PrefillResult:
         (token,) = out.new_token_ids
-        entry = self.held.get(msg.request_id)
+        entry = self._entry(msg.request_id)
         if entry is None:  # finished at its first token: nothing held
             reason = out.finish_reason.value if out.finish_reason is not None else None
             return PrefillResult(
                 request_id=msg.request_id, first_token_id=token, finish_reason=reason, kv=None
             )
-        assert self.agent is not None
         kv = KVHandle(
             engine_id=self.engine_id,
             side_channel=self.agent.address,
-            num_blocks=len(entry.blocks),
+            num_blocks=entry.num_blocks,
             num_tokens=entry.num_tokens,
             lease_deadline=time.time() + entry.lease.remaining(),
         )
@@ -134,7 +147,7 @@ class PrefillNode(TransferNode):
         msg = await read_message(request, LeaseExtend)
         extended, missing = [], []
         for rid in msg.request_ids:
-            entry = self.held.get(rid)
+            entry = self._entry(rid)
             if entry is None or entry.state is not HeldState.HELD or entry.lease.expired():
                 missing.append(rid)
                 continue
@@ -144,36 +157,35 @@ class PrefillNode(TransferNode):
 
     # -- cancel, expiry, release ---------------------------------------------------
 
-    async def cancel(self, request_id: str) -> str | None:
-        entry = self.held.get(request_id)
+    async def cancel(self, request_id: str) -> Stage | None:
+        entry = self._entry(request_id)
         if entry is None:  # still queued or computing: the engine aborts it
             return await super().cancel(request_id)
         if entry.state is HeldState.HELD:
-            self._release(request_id, "cancelled")
-            return "held"
-        # SENDING: stop the write; the blocks go when it is quiescent
-        entry.cancel_requested = True
-        assert self.agent is not None
-        self.agent.abort(request_id)
-        return "transfer"
+            self._release(entry, "cancelled")
+            return Stage.HELD
+        if entry.state is HeldState.SENDING:  # stop the write; the blocks go when quiescent
+            entry.transition(HeldState.CANCELLING)
+            self.agent.abort(request_id)
+        return Stage.TRANSFER
 
     async def _reap_leases(self) -> None:
         while True:
             await asyncio.sleep(self.config.lease_reap_interval_s)
-            for entry in self.held.expired(time.monotonic()):
-                log.info(
-                    "lease of %s expired; freeing %d blocks", entry.request_id, len(entry.blocks)
-                )
-                self.metrics.lease_expiries.inc()
-                self._release(entry.request_id, "lease expired")
+            now = time.monotonic()
+            for entry in self._held():
+                if entry.state is HeldState.HELD and entry.lease.expired(now):
+                    log.info(
+                        "lease of %s expired; freeing %d blocks", entry.request_id, entry.num_blocks
+                    )
+                    self.metrics.lease_expiries.inc()
+                    self._release(entry, "lease expired")
 
-    def _release(self, request_id: str, why: str) -> None:
-        entry = self.held.release(request_id)
-        if entry is None:
-            return
-        log.debug("releasing %s (%s)", request_id, why)
-        assert self.front is not None
-        self.front.release_held(request_id)
+    def _release(self, entry: HeldKV, why: str) -> None:
+        """RELEASED: the engine frees the blocks (no transfer can touch them any more)."""
+        log.debug("releasing %s (%s)", entry.request_id, why)
+        entry.transition(HeldState.RELEASED)
+        self.front.release_held(entry.request_id)
 
     # -- KV-transfer events --------------------------------------------------------
 
@@ -193,14 +205,13 @@ class PrefillNode(TransferNode):
                 pass  # peer up/down, Abort notices: the layer already ended the transfers
 
     def _on_transfer_request(self, peer_id: str, req: TransferRequest) -> None:
-        assert self.agent is not None
-        entry = self.held.get(req.request_id)
+        entry = self._entry(req.request_id)
         if entry is None or entry.state is not HeldState.HELD:
             why = "unknown, expired or already sent" if entry is None else "already sending"
             self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=why))
             return
-        if len(req.dst_block_ids) != len(entry.blocks):
-            why = f"{len(req.dst_block_ids)} destination blocks for {len(entry.blocks)} held"
+        if len(req.dst_block_ids) != entry.num_blocks:
+            why = f"{len(req.dst_block_ids)} destination blocks for {entry.num_blocks} held"
             self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=why))
             return
         entry.transition(HeldState.SENDING)
@@ -212,22 +223,21 @@ class PrefillNode(TransferNode):
             self._write(peer_id, req)
 
     def _write(self, peer_id: str, req: TransferRequest) -> None:
-        assert self.agent is not None
-        entry = self.held.get(req.request_id)
-        if entry is None:
+        entry = self._entry(req.request_id)
+        record = self.engine.record(req.request_id)
+        if entry is None or record is None:
             return
-        if entry.cancel_requested:  # cancelled before the write was posted
+        if entry.state is HeldState.CANCELLING:  # cancelled before the write was posted
             self._tell_aborted(peer_id, req.request_id, "cancelled")
-            self._release(req.request_id, "cancelled before the write")
+            self._release(entry, "cancelled before the write")
             return
         try:
-            self.agent.write(req.request_id, peer_id, entry.blocks, req.dst_block_ids)
+            self.agent.write(req.request_id, peer_id, record.blocks, req.dst_block_ids)
         except TransferRejected as e:  # aborted (a cancel came first) or the peer is gone
             self._tell_aborted(peer_id, req.request_id, str(e))
-            self._release(req.request_id, f"write refused: {e}")
+            self._release(entry, f"write refused: {e}")
 
     def _tell_aborted(self, peer_id: str, request_id: str, reason: str) -> None:
-        assert self.agent is not None
         with contextlib.suppress(TransferRejected):  # the peer is gone: nothing to tell
             self.agent.send(peer_id, KVAborted(request_id=request_id, reason=reason))
 
@@ -237,11 +247,10 @@ class PrefillNode(TransferNode):
         self._write(peer_id, req)
 
     def _transfer_ended(self, request_id: str, ok: bool) -> None:
-        entry = self.held.get(request_id)
+        entry = self._entry(request_id)
         if entry is None:
             return
         if ok:
-            assert self.engine is not None
             self.metrics.transfer_seconds.observe(time.monotonic() - entry.sent_at)
-            self.metrics.transfer_bytes.observe(len(entry.blocks) * self.engine.block_bytes)
-        self._release(request_id, "transfer done" if ok else "transfer ended")
+            self.metrics.transfer_bytes.observe(entry.num_blocks * self.engine.block_bytes)
+        self._release(entry, "transfer done" if ok else "transfer ended")

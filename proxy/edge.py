@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from common.wire.stage import Stage
 from proxy.http.backend import BackendError, GenerationRequest, TokenBackend, TokenStream
 from proxy.metrics import WAIT_BUCKETS
 from proxy.trace import TraceStore
@@ -146,7 +147,7 @@ class EdgeGatedBackend:
     async def generate(self, req: GenerationRequest) -> TokenStream:
         async with self.edge.slot():
             if self.traces is not None:
-                self.traces.record(req.request_id, "edge admitted")
+                self.traces.record(req.request_id, "edge admitted", stage=Stage.PREFILL)
             async with aclosing(self.inner.generate(req)) as chunks:
                 async for chunk in chunks:
                     yield chunk

@@ -61,7 +61,8 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
 
     def on_cancel(url: str, result: CancelResult) -> None:
         event = "cancel acknowledged" if result.found else "cancel: not held"
-        traces.record(result.request_id, event, owner=url, detail=result.stage or "")
+        stage = result.stage.value if result.stage is not None else ""
+        traces.record(result.request_id, event, owner=url, detail=stage)
 
     client = NodeClient(settings.timeouts, on_cancel)
     roles = {Role.BOTH} if settings.colocated_mode else {Role.PREFILL, Role.DECODE}

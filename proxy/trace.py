@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from common.wire.stage import PIPELINE_STAGES, Stage
 from proxy.http.errors import NOT_FOUND, ApiError
 from proxy.http.hooks import ProxyHooks
 from proxy.http.prepare import PreparedRequest
@@ -49,6 +50,7 @@ class RequestTrace:
     endpoint: str
     rows: list[TraceRow] = field(default_factory=list)
     outcome: str | None = None  # set when the request ended
+    stage: Stage = Stage.EDGE  # where it is in the pipeline (one of PIPELINE_STAGES)
 
     def ordered(self) -> list[TraceRow]:
         return sorted(self.rows, key=lambda r: r.t)  # stable: equal times keep their order
@@ -58,6 +60,7 @@ class RequestTrace:
             "request_id": self.request_id,
             "endpoint": self.endpoint,
             "outcome": self.outcome,
+            "stage": self.stage.value,
             "rows": [asdict(r) for r in self.ordered()],
         }
 
@@ -92,11 +95,21 @@ class TraceStore:
         owner: str = PROXY,
         t: float | None = None,
         detail: str = "",
+        stage: Stage | None = None,
     ) -> None:
-        """Add a row to a live or recent request's trace; unknown ids are ignored."""
+        """Add a row to a live or recent request's trace (and, with `stage`, say the
+        request entered that pipeline stage); unknown ids are ignored."""
         trace = self._traces.get(base_id(request_id))
         if trace is not None:
             trace.rows.append(TraceRow(event, owner, time.time() if t is None else t, detail))
+            if stage is not None:
+                trace.stage = stage
+
+    def enter(self, request_id: str, stage: Stage) -> None:
+        """The request entered `stage` (no row: the boundary is recorded elsewhere)."""
+        trace = self._traces.get(base_id(request_id))
+        if trace is not None:
+            trace.stage = stage
 
     def record_node(self, request_id: str, owner: str, events: Iterable[tuple[str, float]]) -> None:
         for event, t in events:
@@ -137,23 +150,6 @@ class TraceStore:
         return web.json_response(trace.to_json())
 
 
-def cancelled_stage(trace: RequestTrace) -> str:
-    """Where a request was when it was cancelled, from the boundaries it crossed."""
-    events = [r.event for r in trace.rows]
-    if "edge admitted" not in events:
-        return "edge"
-    if "first token" not in events:
-        return "prefill"
-    if "inter-stage queued" in events and "dispatched" not in events:
-        return "interstage"
-    after = (
-        events[len(events) - events[::-1].index("dispatched") :] if "dispatched" in events else []
-    )
-    if "dispatched" in events and "first decode token" not in after:
-        return "transfer"
-    return "decode"
-
-
 class TraceHooks(ProxyHooks):
     """The HTTP layer's boundaries, as trace rows; cancellations counted by stage."""
 
@@ -166,8 +162,8 @@ class TraceHooks(ProxyHooks):
             ["stage"],
             registry=registry,
         )
-        for stage in ("edge", "prefill", "interstage", "transfer", "decode"):
-            self.cancellations.labels(stage)
+        for stage in PIPELINE_STAGES:
+            self.cancellations.labels(stage.value)
 
     def on_received(self, request_id: str, endpoint: str) -> None:
         self.store.start(request_id, endpoint)
@@ -181,7 +177,11 @@ class TraceHooks(ProxyHooks):
         self.store.record(request_id, "tokenized", detail=f"{n} prompt tokens")
 
     def on_first_token(self, request_id: str) -> None:
-        self.store.record(request_id, "first token")
+        trace = self.store.get(request_id)
+        # Colocated: the first token comes from the node that decodes on. Disaggregated: the
+        # request is queued for decode next (INTERSTAGE), or was already.
+        decoding = trace is not None and trace.stage is Stage.PREFILL
+        self.store.record(request_id, "first token", stage=Stage.DECODE if decoding else None)
 
     def on_finished(
         self, request_id: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
@@ -196,7 +196,7 @@ class TraceHooks(ProxyHooks):
 
     def on_cancelled(self, request_id: str, reason: str) -> None:
         trace = self.store.get(request_id)
-        stage = cancelled_stage(trace) if trace is not None else "unknown"
+        stage = trace.stage.value if trace is not None else "unknown"
         self.cancellations.labels(stage).inc()
         self.store.record(request_id, "cancelled", detail=f"{reason} during {stage}")
         self.store.finish(request_id, "cancelled")

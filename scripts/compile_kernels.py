@@ -58,7 +58,7 @@ def compile_only(arch: int, compiled: list[tuple[str, int]]) -> Iterator[None]:
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from kernels import triton_attention, triton_cache
+    from kernels import triton_attention, triton_cache, triton_prefill
 
     def getitem(self: JITFunction, grid: object) -> Callable[..., object]:
         def launch(*args: object, **kwargs: object) -> object:
@@ -73,12 +73,14 @@ def compile_only(arch: int, compiled: list[tuple[str, int]]) -> Iterator[None]:
     JITFunction.__getitem__ = getitem  # type: ignore[method-assign]
     # CPU stand-ins are fine here: nothing is launched.
     triton_attention.check_launchable = triton_cache.check_launchable = lambda *t: None
+    triton_prefill.check_launchable = triton_attention.check_launchable
     try:
         yield
     finally:
         # The compile-only driver stays active: this process never launches a kernel.
         JITFunction.__getitem__ = saved[0]  # type: ignore[method-assign]
         triton_attention.check_launchable = triton_cache.check_launchable = saved[1]
+        triton_prefill.check_launchable = saved[1]
 
 
 def variants(quick: bool) -> Iterator[tuple[str, int, int, int]]:
@@ -92,7 +94,7 @@ def variants(quick: bool) -> Iterator[tuple[str, int, int, int]]:
 def compile_variant(dtype_name: str, block_size: int, head_dim: int, group: int) -> None:
     """Launch every kernel as the engine would: store, decode (whole and split
     context), prefill, and pack/unpack."""
-    from kernels import triton_attention, triton_cache
+    from kernels import triton_attention, triton_cache, triton_prefill
 
     dtype, kv_heads = DTYPES[dtype_name], 2
     heads = kv_heads * group
@@ -104,7 +106,7 @@ def compile_variant(dtype_name: str, block_size: int, head_dim: int, group: int)
     triton_cache.store_kv(cache, 1, kv, kv, lens)
     for splits in (1, 2):
         triton_attention.paged_decode_attention(q, cache, 1, tables, lens, 0.1, splits)
-    triton_attention.paged_prefill_attention(q, cache, 1, tables[0], 2, 0.1)
+    triton_prefill.paged_prefill_attention(q, cache, 1, tables[0], 2, 0.1)
     staging = triton_cache.pack_blocks(cache, lens[:2])
     triton_cache.unpack_blocks(staging, cache, lens[:2])
 

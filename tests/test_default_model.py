@@ -84,7 +84,7 @@ def test_generate_cli_bad_model_dir_is_a_message(tmp_path: Path) -> None:
 def test_async_engine_streams_and_aborts(tiny_model_dir: Path) -> None:
     async def run() -> None:
         engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
-        front = AsyncEngine(engine)
+        front = AsyncEngine(engine, asyncio.get_running_loop())
         await front.start()
         try:
             sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

@@ -11,20 +11,28 @@ import sys
 
 from common.cli.engine_args import engine_config
 from common.cli.logs import setup_logging
-from common.node.server import Node, NodeConfig
+from common.node.server import NodeConfig, NodeRuntime, NodeServer
+from common.node.transfer import start_agent
 from decode_node.colocated import ColocatedNode
 from decode_node.server import DecodeNode
 from kv_transfer.config import TransferConfig
 from prefill_node.server import PrefillNode
 
 
-def create_node(config: NodeConfig) -> Node:
-    """The role's server class for `config.role`."""
+async def create_node(config: NodeConfig) -> NodeServer:
+    """The role's server for `config.role`, over a complete runtime (model loaded, engine
+    thread started, and for prefill and decode the KV-transfer agent registered)."""
+    runtime = await NodeRuntime.start(config)
+    try:
+        if config.role == "both":
+            return ColocatedNode(config, runtime)
+        agent = await start_agent(config, runtime)
+    except BaseException:
+        await runtime.front.stop()
+        raise
     if config.role == "prefill":
-        return PrefillNode(config)
-    if config.role == "decode":
-        return DecodeNode(config)
-    return ColocatedNode(config)
+        return PrefillNode(config, runtime, agent)
+    return DecodeNode(config, runtime, agent)
 
 
 def node_config(args: argparse.Namespace) -> NodeConfig:
@@ -52,11 +60,11 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 async def serve(config: NodeConfig) -> int:
     """Run a node until SIGINT/SIGTERM, then drain, free every block and return 0."""
-    node = create_node(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    node = await create_node(config)
     try:
         url = await node.start()
         print(f"pdserve node ready: {url} role={config.role} engine={node.engine_id}", flush=True)
@@ -65,9 +73,8 @@ async def serve(config: NodeConfig) -> int:
         await node.drain()
     finally:
         await node.stop()
-    if node.engine is not None:
-        node.engine.check_integrity()
-        blocks = node.engine.state()["blocks"]
-        logging.getLogger(__name__).info("stopped: blocks %s", json.dumps(blocks, sort_keys=True))
-    print(f"pdserve node stopped: {url}", file=sys.stderr, flush=True)
+    node.engine.check_integrity()  # the engine thread has stopped: this thread owns it now
+    blocks = node.engine.state()["blocks"]
+    logging.getLogger(__name__).info("stopped: blocks %s", json.dumps(blocks, sort_keys=True))
+    print(f"pdserve node stopped: {node.url}", file=sys.stderr, flush=True)
     return 0

@@ -6,11 +6,11 @@ import argparse
 
 from common.cli.engine_args import add_engine_args
 from common.cli.lazy import lazy
-from common.node.server import Role
+from common.node.server import NodeRole
 from kv_transfer.config import BACKENDS
 
 
-def add_node_args(p: argparse.ArgumentParser, role: Role | None) -> None:
+def add_node_args(p: argparse.ArgumentParser, role: NodeRole | None) -> None:
     if role is None:
         p.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
     p.add_argument("--host", default="127.0.0.1")

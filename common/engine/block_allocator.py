@@ -15,6 +15,8 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from enum import Enum
 
+from common.wire.fsm import Transitions
+
 
 class BlockState(str, Enum):
     FREE = "free"
@@ -24,12 +26,15 @@ class BlockState(str, Enum):
 
 
 # Legal state changes of allocated blocks (freeing is separate: see `free`).
-_TRANSITIONS: dict[BlockState, frozenset[BlockState]] = {
-    BlockState.USED: frozenset({BlockState.HELD}),
-    BlockState.HELD: frozenset({BlockState.USED}),
-    BlockState.RESERVED: frozenset({BlockState.USED}),
-    BlockState.FREE: frozenset(),
-}
+MOVES: Transitions[BlockState] = Transitions(
+    "block",
+    {
+        BlockState.USED: {BlockState.HELD},
+        BlockState.HELD: {BlockState.USED},
+        BlockState.RESERVED: {BlockState.USED},
+        BlockState.FREE: set(),
+    },
+)
 
 
 class AllocatorError(RuntimeError):
@@ -100,7 +105,7 @@ class BlockAllocator:
         ids = list(block_ids)
         for b in ids:
             self._require_allocated(b)
-            if new not in _TRANSITIONS[self._state[b]]:
+            if not MOVES.allows(self._state[b], new):
                 raise AllocatorError(f"block {b}: illegal {self._state[b].value} -> {new.value}")
         for b in ids:
             self._counts[self._state[b]] -= 1

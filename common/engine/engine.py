@@ -1,30 +1,43 @@
 """The engine core both node roles drive: add, abort, step.
 
-`add_request` and `abort_request` may be called from any thread: they only
-enqueue a command. `step` (one thread at a time) applies queued commands, then
-schedules, runs the model and postprocesses. Nothing in a step waits on I/O.
+Threads: the *engine thread* (the one that calls `step`) owns the allocator, the scheduler
+and the request records; nothing else touches them, so there is no lock. Other threads talk
+to it through commands: `add_request`, `admit_prefilled`, `abort_request`, `release_held` and
+`call` only enqueue (a deque append), and `step` applies them first. Only one thread
+submits requests (the node's event loop, or the offline caller). `state()` returns the
+snapshot the engine thread published last. Nothing in a step waits on I/O.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from common.engine.block_allocator import BlockAllocator, BlockState
+from common.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    AdmitLanded,
+    CallOnEngine,
+    EngineCommand,
+    ReleaseHeldKV,
+)
 from common.engine.config import EngineConfig
+from common.engine.records import RequestRecord
 from common.engine.runner import ModelRunner
-from common.engine.scheduler import Scheduler, StepOutput
-from common.engine.sequence import FinishReason, SeqStatus, Sequence
+from common.engine.scheduler import OutputKind, Scheduler, StepOutput
+from common.engine.sequence import FinishReason, Sequence
 from common.model.config import ModelConfig
 from common.model.weights import load_model
 from common.wire.sampling_params import SamplingParams
+from common.wire.stage import Stage
 from kernels.dispatch import kernels_for
 
 log = logging.getLogger(__name__)
@@ -42,29 +55,6 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]  # the generated tokens, a stop token included as the engine emits it
     finish_reason: FinishReason
-
-
-@dataclass(frozen=True)
-class _Add:
-    seq: Sequence
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _ReleaseHeld:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _AdmitPrefilled:
-    seq: Sequence
-
-
-_Command = _Add | _Abort | _ReleaseHeld | _AdmitPrefilled
 
 
 class LLMEngine:
@@ -99,17 +89,15 @@ class LLMEngine:
         self.kernels = kernels_for(config.device, config.kernel_backend)
         log.info("kernels: %s on %s", self.kernels.name, config.device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.kernels)
-        self._inbox: deque[_Command] = deque()
-        self._seqs: dict[str, Sequence] = {}
-        self._arrivals = 0
-        self._lock = threading.Lock()  # guards _arrivals and the id set below
+        self._inbox: deque[EngineCommand] = deque()
+        self._records: dict[str, RequestRecord] = {}  # engine thread writes; others .get()
+        # Ids submitted and not yet finished: the submitting thread adds, the engine thread
+        # discards (single-adder, so check-then-add needs no lock).
         self._known_ids: set[str] = set()
-        # Guards the allocator and scheduler: the engine thread holds it while it
-        # schedules and postprocesses (not during the forward); node code holds it
-        # to reserve or free destination blocks.
-        self._alloc_lock = threading.Lock()
-        self.held: dict[str, list[int]] = {}  # prefill role: prompt KV kept for transfer
-        self.reserved: dict[str, list[int]] = {}  # decode role: destinations of transfers
+        self._arrivals = 0
+        self._snapshot: dict[str, object] = {}
+        self.integrity_violations = 0  # found by check_integrity_when_idle
+        self._publish()
 
     # -- commands (any thread) -------------------------------------------------
 
@@ -126,23 +114,31 @@ class LLMEngine:
         its prompt KV blocks stay HELD until `release_held`.
         """
         self.validate(prompt_token_ids, sampling)
-        self._inbox.append(_Add(self._new_seq(request_id, prompt_token_ids, sampling, hold_kv)))
+        self._inbox.append(
+            AddRequest(self._new_seq(request_id, prompt_token_ids, sampling, hold_kv))
+        )
 
     def _new_seq(
         self, request_id: str, token_ids: list[int], sampling: SamplingParams, hold_kv: bool
     ) -> Sequence:
-        with self._lock:
-            if request_id in self._known_ids:
-                raise RequestError(f"request id {request_id!r} is already in use")
-            self._known_ids.add(request_id)
-            self._arrivals += 1
-            return Sequence(request_id, token_ids, sampling, self._arrivals, hold_kv)
+        if request_id in self._known_ids or request_id in self._records:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self._known_ids.add(request_id)
+        self._arrivals += 1
+        return Sequence(request_id, token_ids, sampling, self._arrivals, hold_kv)
 
     def release_held(self, request_id: str) -> None:
         """Free a prefilled request's HELD blocks (transfer done, cancel, lease expiry)."""
-        self._inbox.append(_ReleaseHeld(request_id))
+        self._inbox.append(ReleaseHeldKV(request_id))
 
-    # -- decode role: destination blocks (any thread) ----------------------------
+    def call(
+        self, fn: Callable[[], object], done: Callable[[object, BaseException | None], None]
+    ) -> None:
+        """Run `fn` on the engine thread between steps; `done(result, error)` gets the outcome
+        there (AsyncEngine.call turns it into an awaitable)."""
+        self._inbox.append(CallOnEngine(fn, done))
+
+    # -- decode role: destination blocks (engine thread) -------------------------
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Reserve destination blocks for `num_tokens` of incoming KV, or None if full.
@@ -151,22 +147,25 @@ class LLMEngine:
         and counts reservations against max_num_seqs.
         """
         need = -(-num_tokens // self.config.block_size)
-        with self._alloc_lock:
-            busy = len(self.scheduler.running) + len(self.reserved)
-            if request_id in self.reserved or busy >= self.config.max_num_seqs:
-                return None
-            if not self.allocator.can_allocate(need + self.scheduler.watermark):
-                return None
-            blocks = self.allocator.allocate(need, BlockState.RESERVED)
-            self.reserved[request_id] = blocks
-            return blocks
+        busy = len(self.scheduler.running) + self._num_reserved()
+        if request_id in self._records or busy >= self.config.max_num_seqs:
+            return None
+        if not self.allocator.can_allocate(need + self.scheduler.watermark):
+            return None
+        blocks = self.allocator.allocate(need, BlockState.RESERVED)
+        self._records[request_id] = RequestRecord(request_id, None, blocks, Stage.RESERVED)
+        self._publish()
+        return blocks
 
     def free_reserved(self, request_id: str) -> None:
         """Free a reservation whose transfer is quiescent (aborted, failed, peer dead)."""
-        with self._alloc_lock:
-            blocks = self.reserved.pop(request_id, None)
-            if blocks:
-                self.allocator.free(blocks)
+        record = self._records.get(request_id)
+        if record is not None and record.stage is Stage.RESERVED:
+            self._free_kept(record)
+            self._publish()
+
+    def _num_reserved(self) -> int:
+        return sum(1 for r in self._records.values() if r.stage is Stage.RESERVED)
 
     def admit_prefilled(
         self,
@@ -176,22 +175,32 @@ class LLMEngine:
         sampling: SamplingParams,
     ) -> None:
         """The KV of `prompt_token_ids` has landed in the request's reserved blocks:
-        decode on from `first_token_id` in the running batch."""
-        seq = self._new_seq(request_id, [*prompt_token_ids, first_token_id], sampling, False)
+        decode on from `first_token_id` in the running batch. The request's id is its
+        reservation's (the RESERVED record becomes RUNNING)."""
+        self._arrivals += 1
+        seq = Sequence(request_id, [*prompt_token_ids, first_token_id], sampling, self._arrivals)
         seq.num_prompt_tokens = len(prompt_token_ids)
-        self._inbox.append(_AdmitPrefilled(seq))
+        self._inbox.append(AdmitLanded(seq))
 
-    def stage_of(self, request_id: str) -> str | None:
-        """Where the request is: "queued" (not scheduled yet, or preempted), "running", or
-        None if this engine does not know it. A snapshot, safe from any thread."""
-        seq = self._seqs.get(request_id)
-        if seq is not None:
-            return "running" if seq.status is SeqStatus.RUNNING else "queued"
-        with self._lock:
-            return "queued" if request_id in self._known_ids else None
+    def record(self, request_id: str) -> RequestRecord | None:
+        """The request's record, if the engine holds it (a read; safe from any thread)."""
+        return self._records.get(request_id)
+
+    def records(self) -> list[RequestRecord]:
+        """Every record the engine holds, copied: safe from any thread (one C-level copy
+        under the GIL; the engine thread may add or drop records meanwhile)."""
+        return list(self._records.values())
+
+    def stage_of(self, request_id: str) -> Stage | None:
+        """Where the request is (QUEUED, RUNNING, HELD, RESERVED), or None if this engine
+        does not know it. A snapshot, safe from any thread."""
+        record = self._records.get(request_id)
+        if record is not None:
+            return record.stage
+        return Stage.QUEUED if request_id in self._known_ids else None
 
     def abort_request(self, request_id: str) -> None:
-        self._inbox.append(_Abort(request_id))
+        self._inbox.append(AbortRequest(request_id))
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         n = len(prompt_token_ids)
@@ -250,82 +259,131 @@ class LLMEngine:
         return bool(self._inbox) or self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        with self._alloc_lock:
-            outputs = self._apply_commands()
-            batch = self.scheduler.schedule()
+        outputs = self.apply_commands()
+        batch = self.scheduler.schedule()
         if len(batch):
             sampled = self.runner.run(batch)
-            with self._alloc_lock:
-                outputs += self.scheduler.postprocess(batch, sampled)
+            outputs += self.scheduler.postprocess(batch, sampled)
         for out in outputs:
-            if out.held_blocks is not None:
-                self.held[out.request_id] = out.held_blocks
-                self._seqs.pop(out.request_id, None)
+            if out.kind is OutputKind.HELD:
+                assert out.held_blocks is not None
+                self._records[out.request_id].hold(out.held_blocks)
             elif out.finished:
                 self._forget(out.request_id)
+        self._publish()
         return outputs
 
-    def _apply_commands(self) -> list[StepOutput]:
+    def apply_commands(self) -> list[StepOutput]:
+        """Apply queued commands (engine thread); the outputs of aborted requests."""
         outputs: list[StepOutput] = []
+        applied = bool(self._inbox)
         while self._inbox:
             match self._inbox.popleft():
-                case _Add(seq):
-                    self._seqs[seq.request_id] = seq
+                case AddRequest(seq):
+                    self._records[seq.request_id] = RequestRecord(seq.request_id, seq)
                     self.scheduler.add(seq)
-                case _Abort(request_id):
-                    seq = self._seqs.pop(request_id, None)
-                    if seq is not None:  # else already finished (or aborted), or never added
-                        self.scheduler.abort(seq)
-                        outputs.append(StepOutput(request_id, [], True, FinishReason.ABORT))
-                    elif request_id in self.held:
-                        # Aborted by a caller that never saw the hold: nothing can be
-                        # transferring these blocks, since no one learned of them.
-                        self.allocator.free(self.held.pop(request_id))
-                        self._forget(request_id)
-                case _ReleaseHeld(request_id):
-                    blocks = self.held.pop(request_id, None)
-                    if blocks is not None:
-                        self.allocator.free(blocks)
-                        self._forget(request_id)
-                case _AdmitPrefilled(seq):
+                case AbortRequest(request_id):
+                    outputs += self._abort(request_id)
+                case ReleaseHeldKV(request_id):
+                    record = self._records.get(request_id)
+                    if record is not None and record.stage is Stage.HELD:
+                        self._free_kept(record)
+                case AdmitLanded(seq):
                     self._admit(seq)
+                case CallOnEngine(fn, done):
+                    self._run_call(fn, done)
+        if applied:
+            self._publish()
         return outputs
 
+    def _abort(self, request_id: str) -> list[StepOutput]:
+        record = self._records.get(request_id)
+        if record is None:  # already finished (or aborted), or never added
+            return []
+        if record.seq is not None:
+            self.scheduler.abort(record.seq)
+            self._forget(request_id)
+            return [StepOutput(request_id, [], True, FinishReason.ABORT)]
+        if record.stage is Stage.HELD:
+            # Aborted by a caller that never saw the hold: nothing can be transferring
+            # these blocks, since no one learned of them.
+            self._free_kept(record)
+        return []
+
+    @staticmethod
+    def _run_call(
+        fn: Callable[[], object], done: Callable[[object, BaseException | None], None]
+    ) -> None:
+        try:
+            result = fn()
+        except Exception as e:  # the caller's error, handed back to it
+            done(None, e)
+            return
+        done(result, None)
+
     def _admit(self, seq: Sequence) -> None:
-        blocks = self.reserved.pop(seq.request_id)
-        self.allocator.transition(blocks, BlockState.USED)
-        seq.block_table = blocks
+        record = self._records[seq.request_id]
+        self.allocator.transition(record.blocks, BlockState.USED)
+        seq.block_table = record.blocks
         seq.num_computed_tokens = seq.num_tokens - 1  # all but the first token's KV
         seq.scheduled_time = time.time()
-        self._seqs[seq.request_id] = seq
+        record.admit(seq)
         self.scheduler.add_running(seq)
 
+    def _free_kept(self, record: RequestRecord) -> None:
+        """Free a HELD or RESERVED block set and drop its record."""
+        self.allocator.free(record.blocks)
+        self._forget(record.request_id)
+
     def _forget(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
-        with self._lock:
-            self._known_ids.discard(request_id)
+        self._records.pop(request_id, None)
+        self._known_ids.discard(request_id)
 
     # -- introspection ---------------------------------------------------------
 
     def state(self) -> dict[str, object]:
-        with self._alloc_lock:
-            return {
-                "blocks": self.allocator.counts(),
-                "requests": {
-                    "waiting": len(self.scheduler.waiting),
-                    "running": len(self.scheduler.running),
-                    "held": len(self.held),
-                    "reserved": len(self.reserved),
-                },
-                "preemptions": self.scheduler.num_preemptions,
-            }
+        """Blocks by state, requests by stage: the snapshot of the last step (any thread)."""
+        return self._snapshot
+
+    def _publish(self) -> None:
+        stages = [r.stage for r in self._records.values()]
+        self._snapshot = {
+            "blocks": self.allocator.counts(),
+            "requests": {
+                "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running),
+                "held": stages.count(Stage.HELD),
+                "reserved": stages.count(Stage.RESERVED),
+            },
+            "queued_prefill_tokens": sum(s.num_uncomputed for s in self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "integrity_violations": self.integrity_violations,
+        }
+
+    def check_integrity_when_idle(self) -> bool:
+        """`check_integrity`, run by the engine thread whenever it goes idle. A violation is
+        logged with the books and counted (published in `state()`), not raised: serving
+        goes on, and /metrics shows it."""
+        try:
+            self.check_integrity()
+        except AssertionError as e:
+            self.integrity_violations += 1
+            log.error("KV block books disagree when idle: %s; records %s", e, self._records)
+            self._publish()
+            return False
+        return True
 
     def check_integrity(self) -> None:
-        """The allocator's books balance and agree with who owns each block."""
-        with self._alloc_lock:
-            self.allocator.check_integrity()
-            counts = self.allocator.counts()
-            owned = sum(len(s.block_table) for s in self.scheduler.running)
-            assert owned == counts["used"], (owned, counts)
-            assert sum(map(len, self.held.values())) == counts["held"], counts
-            assert sum(map(len, self.reserved.values())) == counts["reserved"], counts
+        """The allocator's books balance and agree with who owns each block (engine thread).
+
+        Raises AssertionError naming the books that disagree."""
+        self.allocator.check_integrity()
+        counts = self.allocator.counts()
+        owned = sum(len(s.block_table) for s in self.scheduler.running)
+        assert owned == counts["used"], ("used", owned, counts)
+        kept = {Stage.HELD: 0, Stage.RESERVED: 0}
+        for record in self._records.values():
+            if record.seq is None:
+                kept[record.stage] += len(record.blocks)
+        assert kept[Stage.HELD] == counts["held"], ("held", kept, counts)
+        assert kept[Stage.RESERVED] == counts["reserved"], ("reserved", kept, counts)

@@ -12,12 +12,29 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from common.engine.engine import LLMEngine
-from common.engine.scheduler import StepOutput
+from common.engine.scheduler import OutputKind, StepOutput
 from common.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _ignore(result: object, error: BaseException | None) -> None:
+    if error is not None:
+        log.error("engine call failed: %r", error)
+
+
+def _resolve(future: asyncio.Future[T], result: object, error: BaseException | None) -> None:
+    if future.done():  # the awaiting caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]  # fn's result, typed T by call()
 
 
 class EngineThread:
@@ -52,16 +69,26 @@ class EngineThread:
 
     def _run(self) -> None:
         try:
+            busy = False
             while not self._stop.is_set():
                 if not self.engine.has_work():
+                    if busy:  # just went idle: the books must balance now
+                        self.engine.check_integrity_when_idle()
+                    busy = False
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
                     continue
+                busy = True
                 outputs = self.engine.step()
                 if outputs:
                     self._publish(outputs)
                 if self._step_delay_s:
                     self._stop.wait(self._step_delay_s)
+            # Stopping: apply what is still queued (aborts, releases), so blocks are freed.
+            outputs = self.engine.apply_commands()
+            self.engine.check_integrity_when_idle()  # publishes the final state too
+            if outputs:
+                self._publish(outputs)
         except BaseException as exc:  # the engine is broken: report, don't hang clients
             log.exception("engine thread died")
             self.error = exc
@@ -71,14 +98,19 @@ class EngineThread:
 class AsyncEngine:
     """asyncio front of an engine thread: `generate` streams a request's outputs."""
 
-    def __init__(self, engine: LLMEngine, step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        step_delay_s: float = 0.0,
+    ) -> None:
+        """`loop` is the event loop every method of this front runs on."""
         self.engine = engine
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = loop
         self._thread = EngineThread(engine, self._publish_threadsafe, step_delay_s=step_delay_s)
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self._thread.start()
 
     async def stop(self) -> None:
@@ -133,7 +165,7 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await queue.get()
-                if out.request_id == "" and self._thread.error is not None:
+                if out.kind is OutputKind.ENGINE_DEAD:
                     raise RuntimeError("the engine stopped") from self._thread.error
                 finished = out.finished
                 yield out
@@ -151,20 +183,45 @@ class AsyncEngine:
         self.engine.release_held(request_id)
         self._thread.wake()
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between steps and return its result here."""
+        future: asyncio.Future[T] = self._loop.create_future()
+
+        def done(result: object, error: BaseException | None) -> None:  # engine thread
+            self._loop.call_soon_threadsafe(_resolve, future, result, error)
+
+        self.engine.call(fn, done)
+        self._thread.wake()
+        return await future
+
+    async def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Reserve destination blocks (decode role); None if the engine has no room."""
+        try:
+            return await self.call(lambda: self.engine.reserve(request_id, num_tokens))
+        except asyncio.CancelledError:
+            # The reservation may still be made; commands run in order, so this frees it.
+            self.engine.call(lambda: self.engine.free_reserved(request_id), _ignore)
+            self._thread.wake()
+            raise
+
+    def free_reserved(self, request_id: str) -> None:
+        """Free a reservation (decode role) once its transfer is quiescent; applied between
+        steps, before any later command."""
+        self.engine.call(lambda: self.engine.free_reserved(request_id), _ignore)
+        self._thread.wake()
+
     @property
     def error(self) -> BaseException | None:
         """Set once the engine thread died; the node should report unhealthy."""
         return self._thread.error
 
     def _publish_threadsafe(self, outputs: list[StepOutput]) -> None:
-        assert self._loop is not None
         self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         if not outputs and self._thread.error is not None:
-            dead = StepOutput("", [], True, None)
-            for q in self._queues.values():
-                q.put_nowait(dead)
+            for rid, q in self._queues.items():
+                q.put_nowait(StepOutput(rid, [], True, None, OutputKind.ENGINE_DEAD))
             return
         for out in outputs:
             q = self._queues.get(out.request_id)

@@ -15,6 +15,7 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 
 from common.engine.block_allocator import BlockAllocator, BlockState
 from common.engine.sequence import FinishReason, SeqStatus, Sequence
@@ -34,17 +35,30 @@ class ScheduledBatch:
         return sum(self.num_new)
 
 
+class OutputKind(str, Enum):
+    TOKENS = "tokens"  # new tokens of a request (the last output of a request has finished)
+    HELD = "held"  # prefill role: the first token; the prompt's KV blocks are now HELD
+    ENGINE_DEAD = "engine_dead"  # the engine thread died (AsyncEngine's last output)
+
+
 @dataclass
 class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None = None
-    # Prefill role: the prompt's KV blocks, now HELD, when the request stops here
-    # to be decoded elsewhere (finished is True, finish_reason None).
+    kind: OutputKind = OutputKind.TOKENS
+    # HELD only: the prompt's KV blocks, kept for transfer (the request stops here to be
+    # decoded elsewhere: finished, no finish_reason).
     held_blocks: list[int] | None = None
     # On a request's first output only: (arrival, first scheduled), wall-clock seconds.
     times: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.held_blocks is not None) != (self.kind is OutputKind.HELD):
+            raise ValueError("held_blocks is set exactly on HELD outputs")
+        if self.kind is not OutputKind.TOKENS and not self.finished:
+            raise ValueError(f"a {self.kind.value} output ends its request")
 
 
 class Scheduler:
@@ -149,11 +163,13 @@ class Scheduler:
                 self._finish(seq, reason)
             elif seq.hold_kv:
                 held = self._hold(seq)
-                outputs.append(StepOutput(seq.request_id, [token], True, None, held, _times(seq)))
+                kind = OutputKind.HELD
+                outputs.append(StepOutput(seq.request_id, [token], True, None, kind, held))
+                outputs[-1].times = _times(seq)
                 continue
-            outputs.append(
-                StepOutput(seq.request_id, [token], reason is not None, reason, None, _times(seq))
-            )
+            out = StepOutput(seq.request_id, [token], reason is not None, reason)
+            out.times = _times(seq)
+            outputs.append(out)
         return outputs
 
     def _hold(self, seq: Sequence) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from enum import Enum
 
+from common.wire.fsm import Transitions
 from common.wire.sampling_params import SamplingParams
 
 
@@ -14,11 +15,14 @@ class SeqStatus(str, Enum):
     FINISHED = "finished"  # stopped (stop token, length) or aborted; blocks released
 
 
-_LEGAL: dict[SeqStatus, frozenset[SeqStatus]] = {
-    SeqStatus.WAITING: frozenset({SeqStatus.RUNNING, SeqStatus.FINISHED}),
-    SeqStatus.RUNNING: frozenset({SeqStatus.WAITING, SeqStatus.FINISHED}),
-    SeqStatus.FINISHED: frozenset(),
-}
+MOVES: Transitions[SeqStatus] = Transitions(
+    "sequence",
+    {
+        SeqStatus.WAITING: {SeqStatus.RUNNING, SeqStatus.FINISHED},
+        SeqStatus.RUNNING: {SeqStatus.WAITING, SeqStatus.FINISHED},
+        SeqStatus.FINISHED: set(),
+    },
+)
 
 
 class FinishReason(str, Enum):
@@ -55,9 +59,7 @@ class Sequence:
         self.times_reported = False
 
     def transition(self, new: SeqStatus) -> None:
-        if new not in _LEGAL[self.status]:
-            raise RuntimeError(f"{self.request_id}: illegal {self.status.value} -> {new.value}")
-        self.status = new
+        self.status = MOVES.move(self.request_id, self.status, new)
 
     @property
     def num_tokens(self) -> int:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from common.wire.stage import NODE_STAGES
 
 
 class _StateCollector(Collector):
@@ -16,7 +18,7 @@ class _StateCollector(Collector):
         self.role = role
         self.state = state
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         st = self.state()
         blocks = st.get("blocks")
         reqs = st.get("requests")
@@ -37,9 +39,13 @@ class _StateCollector(Collector):
         )
         d.add_metric(["prefill" if self.role == "prefill" else "decode"], reqs["waiting"])
         yield d
-
-
-CANCEL_STAGES = ("queued", "running", "held", "transfer", "reserved")
+        violations = st.get("integrity_violations")
+        if isinstance(violations, int):
+            yield CounterMetricFamily(
+                "pdserve_kv_integrity_violations",
+                "Times the engine found its KV block books unbalanced when it went idle",
+                value=violations,
+            )
 
 
 class NodeMetrics:
@@ -87,7 +93,7 @@ class NodeMetrics:
             "pdserve_transfer_failures_total", "Failed KV transfers", ["reason"], registry=registry
         )
         # Every label a family can take, at zero, so each family is there from the start.
-        for stage in CANCEL_STAGES:
+        for stage in [s.value for s in NODE_STAGES]:
             self.cancellations.labels(stage=stage)
         for reason in ("peer_lost", "backend_error", "aborted_by_peer", "closed"):
             self.transfer_failures.labels(reason=reason)

@@ -1,7 +1,7 @@
 """What every node server shares: engine thread, /health, /state, /metrics, cancel,
 NDJSON token streams, start-up and graceful shutdown.
 
-Role classes (prefill_node.server.PrefillNode, decode_node.server.DecodeNode,
+NodeRole classes (prefill_node.server.PrefillNode, decode_node.server.DecodeNode,
 decode_node.colocated.ColocatedNode) add their internal routes; `create_node`
 picks one for a role. The engine runs on its own thread (common.engine.loop), so
 the event loop only parses, routes and streams.
@@ -30,17 +30,18 @@ from common.wire.errors import SERVER_ERROR, ApiError, error_response, invalid_r
 from common.wire.fingerprint import Fingerprint
 from common.wire.messages import Cancel, MessageError
 from common.wire.node_messages import CancelResult, NodeEvent, T, TokenDelta, from_json, to_json
+from common.wire.stage import Stage
 from kv_transfer.config import TransferConfig
 
 log = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode", "both"]
+NodeRole = Literal["prefill", "decode", "both"]
 MAX_BODY_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
 class NodeConfig:
-    role: Role
+    role: NodeRole
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0
@@ -63,32 +64,51 @@ class NodeConfig:
             raise ValueError("debug delays must be >= 0")
 
 
-class Node:
+@dataclass(frozen=True)
+class NodeRuntime:
+    """What a node serves with, complete before the node exists: the engine, the front that
+    runs it on its own thread, and the KV compatibility fingerprint."""
+
+    engine_id: str  # this incarnation's name: role-<random> unless configured
+    engine: LLMEngine
+    front: AsyncEngine
+    fingerprint: Fingerprint
+
+    @classmethod
+    async def start(cls, config: NodeConfig) -> NodeRuntime:
+        """Load the model (off the event loop) and start the engine thread."""
+        engine = await asyncio.to_thread(LLMEngine, config.engine)
+        fingerprint = Fingerprint.for_kv_cache(engine.kv_cache, engine.weights_hash)
+        front = AsyncEngine(
+            engine, asyncio.get_running_loop(), step_delay_s=config.debug_step_delay_s
+        )
+        await front.start()
+        engine_id = config.engine_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
+        return cls(engine_id, engine, front, fingerprint)
+
+
+class NodeServer:
     """Base of the role servers. Subclasses set `role` and extend `routes`."""
 
-    role: ClassVar[Role]
+    role: ClassVar[NodeRole]
 
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, runtime: NodeRuntime) -> None:
         self.config = config
-        self.engine_id = config.engine_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
-        self.engine: LLMEngine | None = None
-        self.front: AsyncEngine | None = None
-        self.fingerprint: Fingerprint | None = None
+        self.engine_id = runtime.engine_id
+        self.engine = runtime.engine
+        self.front = runtime.front
+        self.fingerprint = runtime.fingerprint
         self.metrics = NodeMetrics(CollectorRegistry(), self.role, self.state)
         self.draining = False
         self.url = ""
-        self._runner: web.AppRunner | None = None
+        self._runner: web.AppRunner | None = None  # set while serving HTTP
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> str:
-        """Load the model, start the engine thread and role services, then serve."""
-        self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
-        self.fingerprint = Fingerprint.for_kv_cache(self.engine.kv_cache, self.engine.weights_hash)
-        self.front = AsyncEngine(self.engine, step_delay_s=self.config.debug_step_delay_s)
-        await self.front.start()
-        await self.start_role()
+        """Start the role's background tasks, then serve HTTP; the URL served."""
+        self.start_role()
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_middleware])
         app.add_routes(self.routes())
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
@@ -99,8 +119,8 @@ class Node:
         self.url = f"http://{self.config.host}:{port}"
         return self.url
 
-    async def start_role(self) -> None:
-        """Role services (KV-transfer agent, background tasks). Default: none."""
+    def start_role(self) -> None:
+        """NodeRole background tasks (`spawn`). Default: none."""
 
     async def drain(self) -> None:
         """Stop admitting; wait (bounded) until in-flight work is done."""
@@ -110,9 +130,9 @@ class Node:
             await asyncio.sleep(0.05)
 
     def busy(self) -> bool:
-        return self.engine is not None and (
-            self.engine.has_work() or bool(self.engine.held) or bool(self.engine.reserved)
-        )
+        reqs = self.engine.state()["requests"]
+        assert isinstance(reqs, dict)
+        return self.engine.has_work() or bool(reqs["held"] or reqs["reserved"])
 
     async def stop(self) -> None:
         """Cancel what is left, free every block, close everything. Idempotent."""
@@ -124,8 +144,7 @@ class Node:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.stop_role()  # no task uses the role's resources any more
-        if self.front is not None:
-            await self.front.stop()
+        await self.front.stop()
 
     async def stop_role(self) -> None:
         """Release role resources; blocks still held or reserved are freed here."""
@@ -149,7 +168,7 @@ class Node:
         ]
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        ok = not self.draining and self.front is not None and self.front.error is None
+        ok = not self.draining and self.front.error is None
         body = {"status": "ok" if ok else "unavailable", "role": self.role}
         return web.json_response(body, status=200 if ok else 503)
 
@@ -164,15 +183,14 @@ class Node:
         msg = await read_message(request, Cancel)
         stage = await self.cancel(msg.request_id)
         if stage is not None:
-            self.metrics.cancellations.labels(stage=stage).inc()
+            self.metrics.cancellations.labels(stage=stage.value).inc()
         return json_message(
             CancelResult(request_id=msg.request_id, found=stage is not None, stage=stage)
         )
 
-    async def cancel(self, request_id: str) -> str | None:
-        """End `request_id` wherever it is on this node; the stage it was found in (queued,
-        running, held, transfer, reserved), or None if it was not here."""
-        assert self.front is not None and self.engine is not None
+    async def cancel(self, request_id: str) -> Stage | None:
+        """End `request_id` wherever it is on this node; the stage it was found in (QUEUED,
+        RUNNING, HELD, TRANSFER, RESERVED), or None if it was not here."""
         stage = self.engine.stage_of(request_id)
         self.front.abort(request_id)
         return stage
@@ -190,13 +208,9 @@ class Node:
 
     def model_fingerprint(self) -> str:
         fp = self.fingerprint
-        if fp is None:
-            return ""
         return f"{fp.weights_hash}/{fp.dtype}/bs{fp.block_size}/{fp.kv_layout}"
 
     def state(self) -> dict[str, object]:
-        if self.engine is None:
-            return {"role": self.role, "engine_id": self.engine_id, "ready": False}
         st = self.engine.state()
         reqs = st["requests"]
         blocks = st["blocks"]
@@ -224,10 +238,9 @@ class Node:
                 "block_size": cfg.block_size,
                 "block_bytes": self.engine.block_bytes,
             },
-            "queued_prefill_tokens": sum(
-                s.num_uncomputed for s in list(self.engine.scheduler.waiting)
-            ),
+            "queued_prefill_tokens": st["queued_prefill_tokens"],
             "preemptions": st["preemptions"],
+            "integrity_violations": st["integrity_violations"],
         }
 
     def transferring(self) -> int:
@@ -238,7 +251,6 @@ class Node:
     def check_admitting(self) -> None:
         if self.draining:
             raise ApiError(503, "node is draining", type=SERVER_ERROR, code="draining")
-        assert self.front is not None
         if self.front.error is not None:
             raise ApiError(503, "node engine stopped", type=SERVER_ERROR, code="engine_dead")
 

@@ -2,7 +2,7 @@
 
 The agent's progress thread moves bytes; its events come back to the event
 loop through one pump task, which hands each to the role's `on_transfer_event`.
-On stop the pump is cancelled first (Node.stop), then the agent is closed:
+On stop the pump is cancelled first (NodeServer.stop), then the agent is closed:
 every unfinished transfer ends quiescent inside close(), its terminal event is
 handled, and the role frees what is left.
 """
@@ -12,31 +12,35 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from common.node.server import Node
+from common.node.server import NodeConfig, NodeRuntime, NodeServer
 from kv_transfer import KVTransferAgent, TransferEvent
 
 log = logging.getLogger(__name__)
 
 
-class TransferNode(Node):
-    agent: KVTransferAgent | None = None
+async def start_agent(config: NodeConfig, runtime: NodeRuntime) -> KVTransferAgent:
+    """The node's KV-transfer agent over the runtime's cache (registered once, here)."""
+    return await asyncio.to_thread(
+        KVTransferAgent,
+        config.transfer,
+        runtime.engine.kv_cache,
+        runtime.engine_id,
+        runtime.fingerprint,
+    )
 
-    async def start_role(self) -> None:
-        assert self.engine is not None and self.fingerprint is not None
-        self.agent = await asyncio.to_thread(
-            KVTransferAgent,
-            self.config.transfer,
-            self.engine.kv_cache,
-            self.engine_id,
-            self.fingerprint,
-        )
+
+class TransferNode(NodeServer):
+    def __init__(self, config: NodeConfig, runtime: NodeRuntime, agent: KVTransferAgent) -> None:
+        super().__init__(config, runtime)
+        self.agent = agent
+
+    def start_role(self) -> None:
         self.spawn(self._pump_events(), "kv-events")
 
     async def stop_role(self) -> None:
-        if self.agent is not None:
-            await asyncio.to_thread(self.agent.close)
-            for event in self.agent.poll_events():
-                self.on_transfer_event(event)
+        await asyncio.to_thread(self.agent.close)
+        for event in self.agent.poll_events():
+            self.on_transfer_event(event)
         self.release_all()
 
     def on_transfer_event(self, event: TransferEvent) -> None:
@@ -47,7 +51,6 @@ class TransferNode(Node):
         raise NotImplementedError
 
     async def _pump_events(self) -> None:
-        assert self.agent is not None
         while True:
             for event in await self.agent.next_events():
                 try:

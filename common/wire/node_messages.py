@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from common.wire.fingerprint import PROTOCOL_VERSION
 from common.wire.messages import Message, MessageError, register
 from common.wire.sampling_params import SamplingParams
+from common.wire.stage import Stage
 
 FinishReasonName = Literal["stop", "length", "abort"]
 
@@ -136,7 +137,7 @@ class CancelResult(Message):
     type: Literal["cancel_result"] = "cancel_result"
     request_id: str
     found: bool
-    stage: str | None = None  # where the node found it (queued, computing, held, ...)
+    stage: Stage | None = None  # where the node found it (one of NODE_STAGES)
 
 
 __all__ = [

@@ -21,6 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from common.wire.node_messages import DecodeRequest, GenerateRequest, PrefillRequest, PrefillResult
+from common.wire.stage import Stage
 from proxy.http.backend import BackendError, GenerationRequest, NodeLost, TokenChunk, TokenStream
 from proxy.metrics import DisaggMetrics
 from proxy.pool.client import GENERATE_PATH, NodeClient, NodeStream, NodeUnreachable
@@ -111,14 +112,14 @@ class DisaggBackend:
             yield first
             return
         entry = self._enqueue(req, result, prefill_url)
-        self.traces.record(req.request_id, "inter-stage queued")
+        self.traces.record(req.request_id, "inter-stage queued", stage=Stage.INTERSTAGE)
         try:
             yield first
             stream = await self.queue.wait(entry)
         except BaseException:  # GeneratorExit, CancelledError, the entry's BackendError
             self.queue.cancel(entry)
             raise
-        self.traces.record(req.request_id, "dispatched", detail=stream.url)
+        self.traces.record(req.request_id, "dispatched", detail=stream.url, stage=Stage.TRANSFER)
         async with aclosing(
             relay(stream, self.client, self.queue, prefill_url, self.traces)
         ) as chunks:
@@ -285,6 +286,8 @@ async def relay(
                 if stream.events and traces is not None:
                     traces.record_node(stream.request_id, stream.url, stream.events)
                 stream.events = []
+            if not received and traces is not None:
+                traces.enter(stream.request_id, Stage.DECODE)
             received = True
             finished = chunk.finish_reason is not None
             yield chunk

@@ -27,6 +27,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 
+from common.wire.fsm import Transitions
 from common.wire.node_messages import DecodeRequest, LeaseExtend
 from proxy.http.backend import BackendError, NodeLost
 from proxy.metrics import InterStageMetrics
@@ -47,16 +48,22 @@ class EntryState(Enum):
     FAILED = "failed"
 
 
-_LEGAL: dict[EntryState, frozenset[EntryState]] = {
-    EntryState.QUEUED: frozenset({EntryState.OFFERING, EntryState.CANCELLED, EntryState.FAILED}),
-    EntryState.OFFERING: frozenset(
-        {EntryState.QUEUED, EntryState.DISPATCHED, EntryState.CANCELLED, EntryState.FAILED}
-    ),
-    EntryState.DISPATCHED: frozenset({EntryState.TAKEN, EntryState.CANCELLED}),
-    EntryState.TAKEN: frozenset(),
-    EntryState.CANCELLED: frozenset(),
-    EntryState.FAILED: frozenset(),
-}
+MOVES: Transitions[EntryState] = Transitions(
+    "inter-stage entry",
+    {
+        EntryState.QUEUED: {EntryState.OFFERING, EntryState.CANCELLED, EntryState.FAILED},
+        EntryState.OFFERING: {
+            EntryState.QUEUED,
+            EntryState.DISPATCHED,
+            EntryState.CANCELLED,
+            EntryState.FAILED,
+        },
+        EntryState.DISPATCHED: {EntryState.TAKEN, EntryState.CANCELLED},
+        EntryState.TAKEN: set(),
+        EntryState.CANCELLED: set(),
+        EntryState.FAILED: set(),
+    },
+)
 
 
 @dataclass(eq=False)
@@ -79,9 +86,7 @@ class QueueEntry:
         return self.request.request_id
 
     def transition(self, new: EntryState) -> None:
-        if new not in _LEGAL[self.state]:
-            raise ValueError(f"{self.request_id}: illegal transition {self.state} -> {new}")
-        self.state = new
+        self.state = MOVES.move(self.request_id, self.state, new)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from common.wire.fsm import Transitions
+
 
 class Role(str, Enum):
     PREFILL = "prefill"
@@ -26,12 +28,15 @@ class NodeStatus(Enum):
     REFUSED = "refused"  # wrong role or model fingerprint: never routed to
 
 
-_LEGAL: dict[NodeStatus, frozenset[NodeStatus]] = {
-    NodeStatus.PENDING: frozenset({NodeStatus.UP, NodeStatus.DOWN, NodeStatus.REFUSED}),
-    NodeStatus.UP: frozenset({NodeStatus.DOWN, NodeStatus.REFUSED}),
-    NodeStatus.DOWN: frozenset({NodeStatus.UP, NodeStatus.REFUSED}),
-    NodeStatus.REFUSED: frozenset({NodeStatus.UP, NodeStatus.DOWN}),
-}
+MOVES: Transitions[NodeStatus] = Transitions(
+    "node",
+    {
+        NodeStatus.PENDING: {NodeStatus.UP, NodeStatus.DOWN, NodeStatus.REFUSED},
+        NodeStatus.UP: {NodeStatus.DOWN, NodeStatus.REFUSED},
+        NodeStatus.DOWN: {NodeStatus.UP, NodeStatus.REFUSED},
+        NodeStatus.REFUSED: {NodeStatus.UP, NodeStatus.DOWN},
+    },
+)
 
 
 class Capacity(BaseModel):
@@ -107,8 +112,8 @@ class Node:
         return self.state.model_fingerprint if self.state is not None else None
 
     def transition(self, status: NodeStatus, error: str | None) -> None:
-        if status is not self.status and status not in _LEGAL[self.status]:
-            raise ValueError(f"node {self.url}: illegal transition {self.status} -> {status}")
+        if status is not self.status:  # staying put is allowed: a repeated poll result
+            MOVES.move(self.url, self.status, status)
         self.status, self.error = status, error
 
     # -- load accounting ---------------------------------------------------------------------

@@ -41,7 +41,7 @@ def proxy(engine_config: EngineConfig, tiny_tokenizer: Tokenizer) -> Iterator[Pr
     thread = threading.Thread(target=loop.run_forever, name="proxy-loop", daemon=True)
     thread.start()
     engine = LLMEngine(engine_config)
-    front = AsyncEngine(engine)
+    front = AsyncEngine(engine, loop)
     harness = ProxyHarness(loop, engine, front, tiny_tokenizer, RecordingHooks())
     harness.run(front.start())
     harness.port = harness.serve(harness.app(hooks=harness.hooks))

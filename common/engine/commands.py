@@ -1,0 +1,38 @@
+"""What other threads ask of the engine thread: commands queued on `LLMEngine`'s inbox and
+applied, in order, at the start of the next step (`LLMEngine.apply_commands`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    seq: Sequence
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ReleaseHeldKV:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AdmitLanded:
+    seq: Sequence
+
+
+@dataclass(frozen=True)
+class CallOnEngine:
+    fn: Callable[[], object]
+    done: Callable[[object, BaseException | None], None]
+
+
+EngineCommand = AddRequest | AbortRequest | ReleaseHeldKV | AdmitLanded | CallOnEngine
