@@ -128,7 +128,7 @@ class PrefillNode(TransferNode):
         (token,) = out.new_token_ids
         entry = self._entry(msg.request_id)
         if entry is None:  # finished at its first token: nothing held
-            reason = out.finish_reason.value if out.finish_reason is not None else None
+            reason = out.finish_reason.wire_name if out.finish_reason is not None else None
             return PrefillResult(
                 request_id=msg.request_id, first_token_id=token, finish_reason=reason, kv=None
             )

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import uuid
 from pathlib import Path
 
 from common.cli.engine_args import engine_config
 from common.engine.engine import LLMEngine, RequestError
+from common.engine.scheduler import StepOutput
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
 from common.tiny.model import make_tiny_model
@@ -32,21 +32,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     engine = LLMEngine(cfg)
+    detok = IncrementalDetokenizer(tok)
+
+    def show(out: StepOutput) -> None:
+        text = detok.push(out.new_token_ids)
+        if text and not args.json:
+            print(text, end="", flush=True)
+
     try:
-        engine.add_request(uuid.uuid4().hex, ids, sampling)
+        (completion,) = engine.generate([ids], sampling, on_output=show)
     except RequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    detok = IncrementalDetokenizer(tok)
-    out_ids: list[int] = []
-    while engine.has_work():
-        for out in engine.step():
-            out_ids += out.new_token_ids
-            text = detok.push(out.new_token_ids)
-            if text and not args.json:
-                print(text, end="", flush=True)
     tail = detok.flush()
     if args.json:
+        out_ids = completion.token_ids
         print(json.dumps({"token_ids": out_ids, "text": tok.decode(out_ids)}))
     else:
         print(tail, flush=True)

@@ -227,10 +227,12 @@ class LLMEngine:
         prompts: Seq[list[int]],
         sampling: SamplingParams | Seq[SamplingParams],
         max_steps: int = 1_000_000,
+        on_output: Callable[[StepOutput], None] | None = None,
     ) -> list[Completion]:
         """Run `prompts` to completion on the calling thread, batched as the engine
-        schedules them; one Completion per prompt, in order. Nothing else may step this
-        engine meanwhile (no engine thread). Raises RequestError if a prompt is refused."""
+        schedules them; one Completion per prompt, in order. `on_output` sees each step's
+        outputs as they come (to stream them). Nothing else may step this engine meanwhile
+        (no engine thread). Raises RequestError if a prompt is refused."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
@@ -243,6 +245,8 @@ class LLMEngine:
             if len(reasons) == len(ids):
                 break
             for out in self.step():
+                if on_output is not None:
+                    on_output(out)
                 tokens[out.request_id] += out.new_token_ids
                 if out.finished and out.finish_reason is not None:
                     reasons[out.request_id] = out.finish_reason

@@ -224,6 +224,6 @@ class AsyncEngine:
                 q.put_nowait(StepOutput(rid, [], True, None, OutputKind.ENGINE_DEAD))
             return
         for out in outputs:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)

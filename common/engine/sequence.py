@@ -6,6 +6,7 @@ import time
 from enum import Enum
 
 from common.wire.fsm import Transitions
+from common.wire.node_messages import FinishReasonName
 from common.wire.sampling_params import SamplingParams
 
 
@@ -29,6 +30,18 @@ class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+    @property
+    def wire_name(self) -> FinishReasonName:
+        """The name node messages carry (`common.wire.node_messages.FinishReasonName`)."""
+        return _WIRE_NAMES[self]
+
+
+_WIRE_NAMES: dict[FinishReason, FinishReasonName] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+}
 
 
 class Sequence:

@@ -305,7 +305,7 @@ async def stream_outputs(
         await resp.prepare(request)
     try:
         async for out in outputs:
-            reason = out.finish_reason.value if out.finish_reason is not None else None
+            reason = out.finish_reason.wire_name if out.finish_reason is not None else None
             events = on_first(out) if on_first is not None and out.times is not None else []
             delta = TokenDelta(
                 request_id=request_id,
