@@ -204,6 +204,9 @@ class Heartbeat(Message):
     sent_at: float  # sender's wall clock, for logs only
 
 
+RejectCode = Literal["malformed", "unknown_peer", "peer_lost"]
+
+
 @register
 class Reject(Message):
     """Reply to a message the receiver refused.
@@ -214,5 +217,5 @@ class Reject(Message):
     """
 
     type: Literal["reject"] = "reject"
-    code: Literal["malformed", "unknown_peer", "peer_lost"] = "malformed"
+    code: RejectCode = "malformed"
     reason: str
