@@ -9,7 +9,7 @@ silently ignored. Checks that need the tokenizer or the context length live in `
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -138,6 +138,12 @@ class CompletionRequest(GenerationParams):
         if len(v) == 0:
             raise ValueError("the prompt is empty")
         return v
+
+    @property
+    def one_prompt(self) -> str | list[int]:
+        """The prompt as `_one_prompt` left it: text or token ids, never a list of prompts.
+        (The field's declared type is what may be sent, which mypy cannot see narrowed.)"""
+        return cast("str | list[int]", self.prompt)
 
     @field_validator("echo")
     @classmethod
