@@ -35,7 +35,7 @@ from kv_transfer import (
 )
 from kv_transfer.layout import CacheLayout
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # nixl ships no type information: to mypy this name is Any
     from nixl._api import nixl_agent
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
