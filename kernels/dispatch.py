@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 import torch
 
@@ -88,7 +88,7 @@ def triton_kernels() -> Kernels:
 def check_backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    return cast(Backend, name)
+    return name  # narrowed to Backend by the membership test
 
 
 _default: Backend | None = None  # None: not yet read from the environment

@@ -44,7 +44,15 @@ from kv_transfer.connections import Connections
 from kv_transfer.errors import AgentClosed, HandshakeError, TransferRejected
 from kv_transfer.events import TransferEvent
 from kv_transfer.layout import CacheLayout, check_block_ids
-from kv_transfer.progress import AbortCmd, ConnectCmd, ExpectCmd, ProgressLoop, SendCmd, WriteCmd
+from kv_transfer.progress import (
+    AbortCmd,
+    Command,
+    ConnectCmd,
+    ExpectCmd,
+    ProgressLoop,
+    SendCmd,
+    WriteCmd,
+)
 from kv_transfer.shared import EventQueue, Registry
 from kv_transfer.side_channel import Outbox, SideChannel
 from kv_transfer.state import IncomingTransfer, OutgoingTransfer
@@ -231,7 +239,12 @@ class KVTransferAgent:
             return events
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
-        loop.add_reader(self.fileno(), lambda: ready.done() or ready.set_result(None))
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(self.fileno(), wake)
         try:
             await ready
         finally:
@@ -295,9 +308,9 @@ class KVTransferAgent:
             raise TransferRejected(f"request {request_id!r} was aborted")
         self._registry.active.add(request_id)
 
-    def _submit(self, cmd: object) -> None:
+    def _submit(self, cmd: Command) -> None:
         self._check_open()
-        self._loop.submit(cmd)  # type: ignore[arg-type]
+        self._loop.submit(cmd)
 
     def _check_open(self) -> None:
         if self._closed:

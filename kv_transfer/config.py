@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 BackendName = Literal["nixl", "ucxx", "zmq"]
 BACKENDS: tuple[str, ...] = ("nixl", "ucxx", "zmq")
@@ -85,7 +85,9 @@ class TransferConfig:
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> TransferConfig:
         """Config from PDSERVE_KV_<FIELD> variables (e.g. PDSERVE_KV_BACKEND), then overrides."""
         env = os.environ if environ is None else environ
-        values: dict[str, object] = {}
+        # Field name -> value parsed from the environment (or overridden): each field has
+        # its own type, so the dict is Any-valued; __post_init__ validates the values.
+        values: dict[str, Any] = {}
         for f in fields(cls):
             raw = env.get(_ENV_PREFIX + f.name.upper())
             if raw is None:
@@ -98,4 +100,4 @@ class TransferConfig:
             else:
                 values[f.name] = raw
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)

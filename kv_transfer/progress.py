@@ -33,6 +33,7 @@ from common.wire.messages import (
     Message,
     MessageError,
     Reject,
+    RejectCode,
     decode,
 )
 from kv_transfer.connections import Connections
@@ -117,7 +118,7 @@ class ProgressLoop:
             Heartbeat: lambda peer, m: None,
             Abort: self._on_abort,
             KVAborted: self._on_kv_aborted,
-            Reject: lambda peer, m: self.conns.on_reject(peer, m),
+            Reject: self._on_reject,
         }
 
     def submit(self, cmd: Command) -> None:
@@ -219,7 +220,7 @@ class ProgressLoop:
             self.rejected += 1
             log.exception(
                 "side-channel message from %s failed; dropped",
-                getattr(item, "key", None) or item.routing_id,
+                item.key if isinstance(item, Disconnected) else item.routing_id,
             )
 
     def _on_side(self, item: Inbound | Disconnected) -> None:
@@ -295,7 +296,11 @@ class ProgressLoop:
         else:
             self.book.on_peer_aborted(peer_id, msg)
 
-    def _reject(self, item: Inbound, reason: str, code: str = "malformed") -> None:
+    def _on_reject(self, peer_id: str, msg: Message) -> None:
+        assert isinstance(msg, Reject)
+        self.conns.on_reject(peer_id, msg)
+
+    def _reject(self, item: Inbound, reason: str, code: RejectCode = "malformed") -> None:
         self.rejected += 1
         log.warning("rejected side-channel message from %s: %s", item.routing_id, reason)
         if not item.via_outbox:

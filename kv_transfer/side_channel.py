@@ -167,7 +167,7 @@ class SideChannel:
         return out
 
     def _drain_router(self) -> list[Inbound]:
-        out = []
+        out: list[Inbound] = []
         while True:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
@@ -180,7 +180,8 @@ class SideChannel:
             out.append(Inbound(ident, frames[1], via_outbox=False))
 
     def _drain_outbox(self, sock: zmq.Socket) -> list[Inbound]:
-        key, out = self._outbox_keys[sock], []
+        key = self._outbox_keys[sock]
+        out: list[Inbound] = []
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -190,7 +191,7 @@ class SideChannel:
                 out.append(Inbound(key, frames[0], via_outbox=True))
 
     def _drain_monitor(self, mon: zmq.Socket) -> list[Disconnected]:
-        out = []
+        out: list[Disconnected] = []
         key = self._monitors[mon]
         while True:
             try:

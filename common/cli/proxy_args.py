@@ -58,7 +58,7 @@ def split_urls(values: list[str]) -> tuple[str, ...]:
     return tuple(u.strip() for v in values for u in v.split(",") if u.strip())
 
 
-def add_proxy_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_proxy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`pdserve proxy`."""
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of node pools")
     add_proxy_args(p)

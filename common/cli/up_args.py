@@ -8,7 +8,7 @@ from common.cli.engine_args import add_engine_args
 from common.cli.lazy import lazy
 
 
-def add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`pdserve up`."""
     p = sub.add_parser("up", help="start proxy + prefill and decode nodes on this machine")
     p.add_argument("--host", default="127.0.0.1", help="the proxy's listen address")

@@ -37,12 +37,12 @@ class Message(BaseModel):
     version: int = PROTOCOL_VERSION
 
 
-M = TypeVar("M", bound=type[Message])
+M = TypeVar("M", bound=Message)
 
 _REGISTRY: dict[str, type[Message]] = {}
 
 
-def register(cls: M) -> M:
+def register(cls: type[M]) -> type[M]:
     """Class decorator: make `cls` decodable under its ``type`` tag."""
     tag = cls.model_fields["type"].default
     if not tag or tag in _REGISTRY:
@@ -148,8 +148,8 @@ class BlockWrite(Message):
     src_agent: str
     xfer_id: int = Field(ge=0)
     dst_block_ids: list[int]  # the blocks this message carries (zmq: one part's worth)
-    part: int = Field(0, ge=0)  # zmq: a write is sent as `parts` messages, each whole
-    parts: int = Field(1, ge=1)
+    part: int = Field(default=0, ge=0)  # zmq: a write is sent as `parts` messages, each whole
+    parts: int = Field(default=1, ge=1)
 
 
 @register
@@ -204,6 +204,9 @@ class Heartbeat(Message):
     sent_at: float  # sender's wall clock, for logs only
 
 
+RejectCode = Literal["malformed", "unknown_peer", "peer_lost"]
+
+
 @register
 class Reject(Message):
     """Reply to a message the receiver refused.
@@ -214,5 +217,5 @@ class Reject(Message):
     """
 
     type: Literal["reject"] = "reject"
-    code: Literal["malformed", "unknown_peer", "peer_lost"] = "malformed"
+    code: RejectCode = "malformed"
     reason: str

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.wire.messages import KVDone, Message, MessageError, PeerInfo, decode, encode
 from kv_transfer.backends.base import (
@@ -38,6 +39,9 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.errors import BackendError
 from kv_transfer.layout import CacheLayout
 from kv_transfer.state import OutgoingTransfer
+
+if TYPE_CHECKING:  # nixl ships no type information: to mypy these names are Any
+    from nixl._api import nixl_prepped_dlist_handle, nixl_xfer_handle
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ def _nixl_errors() -> tuple[type[BaseException], ...]:
 @dataclass
 class _Peer:
     name: str
-    dlist: object  # nixl_prepped_dlist_handle over the peer's blocks
+    dlist: nixl_prepped_dlist_handle  # over the peer's blocks
     dead: bool = False
 
 
@@ -130,6 +134,9 @@ class NixlBackend(Backend):
             self._release(handle)
             return WriteFailed(xfer.request_id, f"nixl post: {e}", peer_lost=_is_disconnect(e))
         xfer.handle = handle
+        if state == "PROC":  # still in progress: progress() settles it
+            self._posted[xfer.request_id] = xfer
+            return None
         return self._settle(xfer, state)
 
     def cancel(self, xfer: OutgoingTransfer) -> bool:
@@ -192,11 +199,8 @@ class NixlBackend(Backend):
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _settle(self, xfer: OutgoingTransfer, state: str) -> BackendEvent | None:
-        """Turn a transfer state into an event (None while still in progress)."""
-        if state == "PROC":
-            self._posted[xfer.request_id] = xfer
-            return None
+    def _settle(self, xfer: OutgoingTransfer, state: str) -> BackendEvent:
+        """Turn the state of a transfer no longer in progress (DONE, or failed) into its event."""
         self._release(xfer.handle)
         xfer.handle = None
         if state == "DONE":
@@ -229,7 +233,7 @@ class NixlBackend(Backend):
                     events.append(Landed(sender, msg.request_id))
         return events
 
-    def _release(self, handle: object) -> None:
+    def _release(self, handle: nixl_xfer_handle) -> None:
         try:
             self._agent.release_xfer_handle(handle)
         except self._errors as e:

@@ -31,6 +31,8 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,13 +50,16 @@ from kv_transfer.errors import BackendError, TransferRejected
 from kv_transfer.layout import CacheLayout, check_block_ids
 from kv_transfer.state import OutgoingTransfer
 
+if TYPE_CHECKING:  # ucxx ships no type information: to mypy this name is Any
+    from ucxx._lib.libucxx import UCXEndpoint
+
 log = logging.getLogger(__name__)
 
 _MAX_BLOCKS = 2**20
 _SEQ_MASK = 2**24 - 1
 
 
-def _peer_errors(api: object) -> tuple[type[BaseException], ...]:
+def _peer_errors(api: ModuleType) -> tuple[type[BaseException], ...]:
     names = (
         "UCXConnectionResetError",
         "UCXEndpointTimeoutError",
@@ -72,7 +77,7 @@ def _tag_base(channel: int, xfer_id: int) -> int:
 
 @dataclass
 class _Peer:
-    ep: object  # UCXEndpoint
+    ep: UCXEndpoint
     send_channel: int
     recv_channel: int
     seq: int = 0
@@ -93,12 +98,12 @@ class _Requests:
             self.upto += 1
         return self.upto == len(self.reqs)
 
-    def error(self, api: object) -> tuple[str, bool] | None:
+    def error(self, api: ModuleType) -> tuple[str, bool] | None:
         """(detail, says the peer is gone) of the first failed request, or None."""
         for r in self.reqs:
             try:
                 r.check_error()
-            except api.UCXError as e:  # type: ignore[attr-defined]
+            except api.UCXError as e:
                 gone = isinstance(e, _peer_errors(api))
                 return f"{type(e).__name__}: {e}", gone
         return None

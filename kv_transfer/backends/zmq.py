@@ -147,7 +147,8 @@ class ZmqBackend(Backend):
             )
             buf = self._pack(encode(header), xfer.src_ids[start : start + per_part])
             try:
-                trackers.append(push.send(buf, zmq.NOBLOCK, copy=False, track=True))
+                # .data (a memoryview): numpy types ndarray as a Buffer only from Python 3.12 on
+                trackers.append(push.send(buf.data, zmq.NOBLOCK, copy=False, track=True))
             except zmq.ZMQError as e:  # (an unlimited HWM: only a closing socket refuses)
                 raise BackendError(f"zmq: cannot send {xfer.request_id}: {e}") from e
             staging.append(buf)
@@ -159,7 +160,7 @@ class ZmqBackend(Backend):
         start = HEADER_LEN.size + len(head)
         n, block_bytes = len(src_ids), self.layout.block_bytes
         staging = np.empty(start + n * block_bytes, dtype=np.uint8)
-        HEADER_LEN.pack_into(staging, 0, len(head))
+        HEADER_LEN.pack_into(staging.data, 0, len(head))
         staging[HEADER_LEN.size : start] = np.frombuffer(head, dtype=np.uint8)
         rows = staging[start:].reshape(n, block_bytes)
         for row, block in zip(rows, src_ids, strict=True):  # 8x faster than np.take(out=)

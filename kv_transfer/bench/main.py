@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -95,7 +96,9 @@ class WorkerProc:
 
     def __init__(self, role: str) -> None:
         self.role = role
-        self._sock = zmq.Context.instance().socket(zmq.PAIR)
+        # (annotated: pyzmq types Context.instance() as a Context of no socket type)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = ctx.socket(zmq.PAIR)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         cmd = [sys.executable, "-m", "kv_transfer.bench.worker", f"tcp://127.0.0.1:{port}"]
@@ -108,7 +111,8 @@ class WorkerProc:
     def send(self, op: str, **args: object) -> None:
         self._sock.send(msgpack.packb({"op": op, **args}, use_bin_type=True))
 
-    def result(self, timeout_s: float = 600.0) -> object:
+    def result(self, timeout_s: float = 600.0) -> Any:
+        """The op's result, as the worker's msgpack reply carries it (its shape is per op)."""
         if not self._sock.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"bench {self.role} worker did not answer in {timeout_s}s")
         reply = msgpack.unpackb(self._sock.recv(), raw=False)
@@ -116,7 +120,7 @@ class WorkerProc:
             raise RuntimeError(f"bench {self.role} worker: {reply['error']}")
         return reply["result"]
 
-    def call(self, op: str, **args: object) -> object:
+    def call(self, op: str, **args: object) -> Any:
         self.send(op, **args)
         return self.result()
 
@@ -160,11 +164,13 @@ def run_point(
     rids = [f"{tag}-{i}" for i in range(reps)]
     src, dst = scattered(rng, n, 0, reps), scattered(rng, n, 1, reps)
     receiver.send("recv_point", peer=peers["sender"], rids=rids, dst=dst)
-    sent = sender.call("send_point", peer=peers["receiver"], rids=rids, src=src)
-    landed = receiver.result()
-    ok = receiver.call("verify", src=src[-1], dst=dst[-1])
-    recv = [t - s for t, s in zip(landed, sent["starts"], strict=True)]  # type: ignore[index]
-    return {"lat": sent["lat"], "recv": recv, "verified": ok}  # type: ignore[index]
+    sent: dict[str, list[float]] = sender.call(
+        "send_point", peer=peers["receiver"], rids=rids, src=src
+    )
+    landed: list[float] = receiver.result()
+    ok: bool = receiver.call("verify", src=src[-1], dst=dst[-1])
+    recv = [t - s for t, s in zip(landed, sent["starts"], strict=True)]
+    return {"lat": sent["lat"], "recv": recv, "verified": ok}
 
 
 def record(
@@ -200,7 +206,7 @@ def bench_shape(
     ceiling, so that both see the same background load."""
     s = SHAPES[shape]()
     peers = setup_pair(sender, receiver, backend, s, 2 * max(args.blocks) + 1)
-    bare = receiver.call("bare_target") if backend == "nixl" else None
+    bare: dict | None = receiver.call("bare_target") if backend == "nixl" else None
     records = []
     for n in args.blocks:
         rec = layer_point(sender, receiver, peers, backend, shape, s, n, args.reps)
@@ -210,7 +216,7 @@ def bench_shape(
             f"  {backend:5} {shape:4} {n:4} blocks: p50 {p50:9.1f} us {gbps:6.2f} GB/s", flush=True
         )
         if bare is not None:
-            records.append(bare_point(sender, shape, s, n, rec["reps"], bare))  # type: ignore[arg-type]
+            records.append(bare_point(sender, shape, s, n, rec["reps"], bare))
     for w in (sender, receiver):
         w.call("teardown")
     return records
@@ -219,11 +225,13 @@ def bench_shape(
 def setup_pair(
     sender: WorkerProc, receiver: WorkerProc, backend: str, s: Shape, num_blocks: int
 ) -> dict:
-    peers = {}
+    peers: dict[str, str] = {}
     for role, w in (("sender", sender), ("receiver", receiver)):
-        info = w.call("setup", backend=backend, shape=asdict(s), num_blocks=num_blocks, role=role)
-        peers[role] = info["name"]  # type: ignore[index]
-        peers[f"{role}_address"] = info["address"]  # type: ignore[index]
+        info: dict[str, str] = w.call(
+            "setup", backend=backend, shape=asdict(s), num_blocks=num_blocks, role=role
+        )
+        peers[role] = info["name"]
+        peers[f"{role}_address"] = info["address"]
     receiver.call("connect", address=peers["sender_address"])
     return peers
 
@@ -242,7 +250,7 @@ def layer_point(
     budget_reps = POINT_BUDGET_S / max(float(np.median(probe["lat"])), 1e-6)
     reps = int(np.clip(budget_reps, MIN_REPS, max_reps))
     point = run_point(sender, receiver, peers, n, reps, f"{shape}-{n}")
-    memcpy = sender.call("memcpy", nbytes=n * s.block_bytes, reps=max(reps, MIN_REPS))
+    memcpy: list[float] = sender.call("memcpy", nbytes=n * s.block_bytes, reps=max(reps, MIN_REPS))
     recv_p50 = round(float(np.median(point["recv"])) * 1e6, 1)
     return record(
         backend, shape, s, n, point["lat"], memcpy, recv_p50_us=recv_p50, verified=point["verified"]
@@ -251,9 +259,9 @@ def layer_point(
 
 def bare_point(sender: WorkerProc, shape: str, s: Shape, n: int, reps: int, target: dict) -> dict:
     nbytes = n * s.block_bytes
-    times = sender.call("bare_point", nbytes=nbytes, reps=reps + WARMUP, **target)
-    memcpy = sender.call("memcpy", nbytes=nbytes, reps=max(reps, MIN_REPS))
-    return record("nixl-bare", shape, s, n, times[WARMUP:], memcpy)  # type: ignore[index]
+    times: list[float] = sender.call("bare_point", nbytes=nbytes, reps=reps + WARMUP, **target)
+    memcpy: list[float] = sender.call("memcpy", nbytes=nbytes, reps=max(reps, MIN_REPS))
+    return record("nixl-bare", shape, s, n, times[WARMUP:], memcpy)
 
 
 def main(argv: list[str] | None = None) -> int:

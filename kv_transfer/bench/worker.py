@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -23,8 +24,19 @@ import torch
 import zmq
 
 from common.wire.fingerprint import Fingerprint
-from kv_transfer import KVReceived, KVTransferAgent, MessageReceived, TransferConfig, TransferDone
+from common.wire.messages import TransferRequest
+from kv_transfer import (
+    KVReceived,
+    KVTransferAgent,
+    MessageReceived,
+    TransferConfig,
+    TransferDone,
+    TransferEvent,
+)
 from kv_transfer.layout import CacheLayout
+
+if TYPE_CHECKING:  # nixl ships no type information: to mypy this name is Any
+    from nixl._api import nixl_agent
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _WAIT_S = 120.0
@@ -40,9 +52,9 @@ class Events:
 
     def __init__(self, agent: KVTransferAgent) -> None:
         self.agent = agent
-        self.pending: list[object] = []
+        self.pending: list[TransferEvent] = []
 
-    def wait_for(self, match: Callable[[object], bool]) -> object:
+    def wait_for(self, match: Callable[[TransferEvent], bool]) -> TransferEvent:
         deadline = time.monotonic() + _WAIT_S
         while time.monotonic() < deadline:
             for i, ev in enumerate(self.pending):
@@ -51,15 +63,21 @@ class Events:
             self.pending.extend(self.agent.wait_events(1.0))
         raise TimeoutError("bench worker: awaited event never came")
 
+    def wait_request(self, request_id: str) -> TransferRequest:
+        """The receiver's TransferRequest for request_id."""
+        ev = self.wait_for(lambda e: _is_request(e, request_id))
+        assert isinstance(ev, MessageReceived) and isinstance(ev.message, TransferRequest)
+        return ev.message
+
 
 class Worker:
     def __init__(self) -> None:
         self.agent: KVTransferAgent | None = None
         self.cache: torch.Tensor | None = None
-        self.bare: dict = {}
+        self.bare: dict[str, Any] = {}  # the bare NIXL agent, its peer, progress thread
         self.ops: dict[str, Callable[[dict], object]] = {
             "setup": self.setup,
-            "connect": lambda a: self.agent.connect(a["address"]),
+            "connect": self.connect,
             "send_point": self.send_point,
             "recv_point": self.recv_point,
             "verify": self.verify,
@@ -84,32 +102,37 @@ class Worker:
         self.events = Events(self.agent)
         return {"address": self.agent.address, "name": self.agent.agent_name}
 
+    def connect(self, a: dict) -> str:
+        return self._agent().connect(a["address"])
+
     def send_point(self, a: dict) -> dict:
         """Await the receiver's TransferRequests, then per rep time write -> TransferDone,
         back to back (as a busy prefill node would, and as the bare loop does)."""
-        reqs = [self.events.wait_for(lambda e, r=rid: _is_request(e, r)) for rid in a["rids"]]
+        agent = self._agent()
+        reqs = [self.events.wait_request(rid) for rid in a["rids"]]
         starts, lat = [], []
         for req, src in zip(reqs, a["src"], strict=True):
-            rid = req.message.request_id
+            rid = req.request_id
             t0 = time.perf_counter()
-            self.agent.write(rid, a["peer"], src, req.message.dst_block_ids)
-            self.events.wait_for(lambda e, r=rid: isinstance(e, TransferDone) and e.request_id == r)
+            agent.write(rid, a["peer"], src, req.dst_block_ids)
+            self.events.wait_for(_ended(TransferDone, rid))
             lat.append(time.perf_counter() - t0)
             starts.append(t0)
         return {"starts": starts, "lat": lat}
 
     def recv_point(self, a: dict) -> list[float]:
         """Ask for every rep's write up front, note when each notification arrived."""
+        agent = self._agent()
         for rid, dst in zip(a["rids"], a["dst"], strict=True):
-            self.agent.request_transfer(a["peer"], rid, dst)
+            agent.request_transfer(a["peer"], rid, dst)
         landed = []
         for rid in a["rids"]:
-            self.events.wait_for(lambda e, r=rid: isinstance(e, KVReceived) and e.request_id == r)
+            self.events.wait_for(_ended(KVReceived, rid))
             landed.append(time.perf_counter())
         return landed
 
     def verify(self, a: dict) -> bool:
-        blocks = CacheLayout(self.cache).blocks
+        blocks = CacheLayout(self._cache()).blocks
         want = torch.from_numpy(pattern_byte(np.asarray(a["src"])))
         got = blocks[torch.tensor(a["dst"])]
         return bool((got == want[:, None]).all())
@@ -117,11 +140,12 @@ class Worker:
     def memcpy(self, a: dict) -> list[float]:
         """Plain torch copy of the same number of bytes (the ceiling), from a different
         region of the cache each rep so that, like the transfers, it is not cache-hot."""
-        flat = CacheLayout(self.cache).blocks.view(-1)
-        nbytes, bb = a["nbytes"], self.cache[0].numel() * self.cache.element_size()
+        cache = self._cache()
+        flat = CacheLayout(cache).blocks.view(-1)
+        nbytes, bb = a["nbytes"], cache[0].numel() * cache.element_size()
         dst = torch.empty(nbytes, dtype=torch.uint8)
         dst.copy_(flat[:nbytes])  # fault the destination in
-        starts = _region_starts(self.cache.shape[0], nbytes // bb, a["reps"])
+        starts = _region_starts(cache.shape[0], nbytes // bb, a["reps"])
         times = []
         for start in starts:
             src = flat[start * bb : start * bb + nbytes]
@@ -135,7 +159,7 @@ class Worker:
     def bare_target(self, a: dict) -> dict:
         """Receiver side: a bare agent whose UCX worker a thread progresses every 1 ms
         (connection wire-up needs the target's progress; the writes themselves do not)."""
-        agent, _ = self._bare_agent()
+        agent, addr = self._bare_agent()
         stop = threading.Event()
 
         def progress() -> None:
@@ -145,7 +169,7 @@ class Worker:
         self.bare["stop"] = stop
         self.bare["thread"] = threading.Thread(target=progress, daemon=True)
         self.bare["thread"].start()
-        return {"metadata": agent.get_agent_metadata(), "addr": self.cache.data_ptr()}
+        return {"metadata": agent.get_agent_metadata(), "addr": addr}
 
     def bare_point(self, a: dict) -> list[float]:
         """One descriptor of n contiguous blocks per transfer, no notification, no layer:
@@ -154,8 +178,9 @@ class Worker:
         agent, base = self._bare_agent()
         if "peer" not in self.bare:
             self.bare["peer"] = agent.add_remote_agent(a["metadata"])
-        bb = self.cache[0].numel() * self.cache.element_size()
-        n, num_blocks = a["nbytes"] // bb, self.cache.shape[0]
+        cache = self._cache()
+        bb = cache[0].numel() * cache.element_size()
+        n, num_blocks = a["nbytes"] // bb, cache.shape[0]
         local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _regions(base, num_blocks, n, bb), "DRAM")
         remote = agent.prep_xfer_dlist(
             self.bare["peer"], _regions(a["addr"], num_blocks, n, bb), "DRAM"
@@ -177,15 +202,17 @@ class Worker:
             remote.release()
         return times
 
-    def _bare_agent(self) -> tuple[object, int]:
+    def _bare_agent(self) -> tuple[nixl_agent, int]:
+        """The bare NIXL agent (made on first use) and the cache's base address."""
+        cache = self._cache()
         if "agent" not in self.bare:
             from nixl._api import nixl_agent, nixl_agent_config
 
             conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
             agent = nixl_agent(f"bare-{uuid.uuid4().hex[:8]}", conf)
-            agent.register_memory(self.cache)
+            agent.register_memory(cache)
             self.bare["agent"] = agent
-        return self.bare["agent"], self.cache.data_ptr()
+        return self.bare["agent"], cache.data_ptr()
 
     def teardown(self, a: dict) -> None:
         if "stop" in self.bare:
@@ -194,6 +221,16 @@ class Worker:
         if self.agent is not None:
             self.agent.close()
         self.agent, self.bare = None, {}
+
+    def _agent(self) -> KVTransferAgent:
+        if self.agent is None:
+            raise RuntimeError("bench worker: no agent (setup has not run)")
+        return self.agent
+
+    def _cache(self) -> torch.Tensor:
+        if self.cache is None:
+            raise RuntimeError("bench worker: no cache (setup has not run)")
+        return self.cache
 
 
 def _region_starts(num_blocks: int, n: int, reps: int) -> list[int]:
@@ -212,8 +249,17 @@ def _regions(base: int, num_blocks: int, n: int, block_bytes: int) -> np.ndarray
     return rows
 
 
-def _is_request(ev: object, rid: str) -> bool:
-    return isinstance(ev, MessageReceived) and getattr(ev.message, "request_id", None) == rid
+def _is_request(ev: TransferEvent, rid: str) -> bool:
+    return (
+        isinstance(ev, MessageReceived)
+        and isinstance(ev.message, TransferRequest)
+        and ev.message.request_id == rid
+    )
+
+
+def _ended(kind: type[TransferDone | KVReceived], rid: str) -> Callable[[TransferEvent], bool]:
+    """Matches the `kind` event (TransferDone, KVReceived) of request rid."""
+    return lambda e: isinstance(e, kind) and e.request_id == rid
 
 
 def main(endpoint: str) -> None:

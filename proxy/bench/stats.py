@@ -57,7 +57,11 @@ def distribution(values: list[float]) -> dict[str, float | None]:
     if not values:
         return dict.fromkeys(keys)
     a = np.asarray(values, dtype=np.float64)
-    out = {"mean": float(a.mean()), "std": float(a.std()), "min": float(a.min())}
+    out: dict[str, float | None] = {
+        "mean": float(a.mean()),
+        "std": float(a.std()),
+        "min": float(a.min()),
+    }
     for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES), strict=True):
         out[f"p{p}"] = float(v)
     out["max"] = float(a.max())

@@ -126,8 +126,8 @@ async def write_stream(
 async def _write_events(
     resp: web.StreamResponse, gen: Generation, delta: TextDelta, fmt: ApiFormat
 ) -> None:
-    for event in fmt.stream_start():
-        await resp.write(event)
+    for start in fmt.stream_start():
+        await resp.write(start)
     while True:
         event = fmt.stream_delta(delta)
         if event is not None:

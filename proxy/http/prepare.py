@@ -54,10 +54,11 @@ class RequestPreparer:
 
     async def completion(self, request_id: str, req: CompletionRequest) -> PreparedRequest:
         self._check_model(req.model)
-        if isinstance(req.prompt, str):
-            ids = await _tokenize(req.prompt, self.tokenizer.encode, "prompt")
+        prompt = req.one_prompt
+        if isinstance(prompt, str):
+            ids = await _tokenize(prompt, self.tokenizer.encode, "prompt")
         else:
-            ids = [int(t) for t in req.prompt]  # token ids: validation unwrapped [[ids]]
+            ids = [int(t) for t in prompt]  # token ids: validation unwrapped [[ids]]
             self._check_ids(ids, "prompt")
         return self._finish(request_id, req, ids, "prompt")
 

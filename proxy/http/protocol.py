@@ -9,7 +9,7 @@ silently ignored. Checks that need the tokenizer or the context length live in `
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -41,11 +41,11 @@ class GenerationParams(_Request):
     """Fields shared by both endpoints."""
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = Field(None, ge=1)  # None: up to the end of the context
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)  # -1 or 0: disabled
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: int | None = Field(default=None, ge=1)  # None: up to the end of the context
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)  # -1 or 0: disabled
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -139,6 +139,12 @@ class CompletionRequest(GenerationParams):
             raise ValueError("the prompt is empty")
         return v
 
+    @property
+    def one_prompt(self) -> str | list[int]:
+        """The prompt as `_one_prompt` left it: text or token ids, never a list of prompts.
+        (The field's declared type is what may be sent, which mypy cannot see narrowed.)"""
+        return cast("str | list[int]", self.prompt)
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, v: bool) -> bool:
@@ -194,7 +200,7 @@ class ChatCompletionRequest(GenerationParams):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
