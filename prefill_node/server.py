@@ -104,7 +104,7 @@ class PrefillNode(TransferNode):
                     # either never saw the hold (the engine frees it on abort) or holds it.
                     self._hold(msg, out)
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]
+            await outputs.aclose()
         assert final is not None
         if final.finish_reason is FinishReason.ABORT:
             self.metrics.requests.labels(outcome="cancelled").inc()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TypeVar
 
 from common.engine.engine import LLMEngine
@@ -122,7 +122,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         hold_kv: bool = False,
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         """Stream a new request's outputs (raises RequestError at once if refused)."""
         return self._submit(
             request_id,
@@ -135,7 +135,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         first_token_id: int,
         sampling: SamplingParams,
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         """Stream a request whose prompt KV landed in its reserved blocks."""
         return self._submit(
             request_id,
@@ -144,7 +144,9 @@ class AsyncEngine:
             ),
         )
 
-    def _submit(self, request_id: str, submit: Callable[[], None]) -> AsyncIterator[StepOutput]:
+    def _submit(
+        self, request_id: str, submit: Callable[[], None]
+    ) -> AsyncGenerator[StepOutput, None]:
         # The queue exists before the engine can produce output for the request.
         # The caller must iterate the stream to its end or aclose() it.
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
@@ -159,7 +161,7 @@ class AsyncEngine:
 
     async def _stream(
         self, request_id: str, queue: asyncio.Queue[StepOutput]
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         """Yield outputs until the request finishes; abort it if the caller stops early."""
         finished = False
         try:

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -28,7 +28,7 @@ from common.engine.scheduler import StepOutput
 from common.node.metrics import NodeMetrics
 from common.wire.errors import SERVER_ERROR, ApiError, error_response, invalid_request
 from common.wire.fingerprint import Fingerprint
-from common.wire.messages import Cancel, MessageError
+from common.wire.messages import Cancel, Message, MessageError
 from common.wire.node_messages import CancelResult, NodeEvent, T, TokenDelta, from_json, to_json
 from common.wire.stage import Stage
 from kv_transfer.config import TransferConfig
@@ -115,7 +115,7 @@ class NodeServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = self._runner.addresses[0][1]
         self.url = f"http://{self.config.host}:{port}"
         return self.url
 
@@ -267,8 +267,8 @@ async def read_message(request: web.Request, cls: type[T]) -> T:
         raise invalid_request(str(e)) from None
 
 
-def json_message(msg: object, status: int = 200) -> web.Response:
-    return web.Response(body=to_json(msg), status=status, content_type="application/json")  # type: ignore[arg-type]
+def json_message(msg: Message, status: int = 200) -> web.Response:
+    return web.Response(body=to_json(msg), status=status, content_type="application/json")
 
 
 def ndjson_response() -> web.StreamResponse:
@@ -290,7 +290,7 @@ async def write_error_line(resp: web.StreamResponse, request_id: str, err: ApiEr
 async def stream_outputs(
     request: web.Request,
     request_id: str,
-    outputs: AsyncIterator[StepOutput],
+    outputs: AsyncGenerator[StepOutput, None],
     resp: web.StreamResponse | None = None,
     on_first: Callable[[StepOutput], list[NodeEvent]] | None = None,
 ) -> web.StreamResponse:
@@ -318,7 +318,7 @@ async def stream_outputs(
         delta = TokenDelta(request_id=request_id, token_ids=[], error=str(e))
         await resp.write(to_json(delta) + b"\n")
     finally:
-        await outputs.aclose()  # type: ignore[attr-defined]
+        await outputs.aclose()
     await resp.write_eof()
     return resp
 
