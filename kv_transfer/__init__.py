@@ -10,10 +10,10 @@ from kv_transfer.agent import KVTransferAgent
 from kv_transfer.config import BACKENDS, TransferConfig
 from kv_transfer.errors import (
     AgentClosed,
-    BackendError,
     HandshakeError,
     TransferError,
     TransferRejected,
+    TransportError,
 )
 from kv_transfer.events import (
     FailureReason,
@@ -30,7 +30,7 @@ from kv_transfer.events import (
 __all__ = [
     "BACKENDS",
     "AgentClosed",
-    "BackendError",
+    "TransportError",
     "FailureReason",
     "HandshakeError",
     "KVReceived",

@@ -144,8 +144,7 @@ class KVTransferAgent:
         return future
 
     def peers(self) -> list[str]:
-        with self._registry.lock:
-            return list(self._registry.peers)
+        return list(self._registry.peers)
 
     # -- transfers ---------------------------------------------------------------------------
 
@@ -165,14 +164,13 @@ class KVTransferAgent:
         """
         self._check_open()
         src = check_block_ids(src_block_ids, self.layout.num_blocks, "src_block_ids")
-        with self._registry.lock:
-            region = self._registry.peers.get(peer_id)
-            if region is None:
-                raise TransferRejected(f"unknown peer {peer_id!r}")
-            dst = check_block_ids(dst_block_ids, region.num_blocks, "dst_block_ids")
-            if src.size != dst.size:
-                raise TransferRejected(f"{src.size} source blocks but {dst.size} destinations")
-            self._claim(request_id)
+        region = self._registry.peers.get(peer_id)
+        if region is None:
+            raise TransferRejected(f"unknown peer {peer_id!r}")
+        dst = check_block_ids(dst_block_ids, region.num_blocks, "dst_block_ids")
+        if src.size != dst.size:
+            raise TransferRejected(f"{src.size} source blocks but {dst.size} destinations")
+        self._claim(request_id)
         nbytes = src.size * self.layout.block_bytes
         xfer = OutgoingTransfer(request_id, peer_id, src, dst, nbytes)
         if nbytes <= self.config.inline_write_max_bytes and self._loop.try_inline(xfer):
@@ -187,10 +185,9 @@ class KVTransferAgent:
         """
         self._check_open()
         dst = check_block_ids(dst_block_ids, self.layout.num_blocks, "dst_block_ids")
-        with self._registry.lock:
-            if peer_id not in self._registry.peers:
-                raise TransferRejected(f"unknown peer {peer_id!r}")
-            self._claim(request_id)
+        if peer_id not in self._registry.peers:
+            raise TransferRejected(f"unknown peer {peer_id!r}")
+        self._claim(request_id)
         request = TransferRequest(
             request_id=request_id,
             dst_agent=self.agent_name,
@@ -208,17 +205,15 @@ class KVTransferAgent:
         only then may the owner free the blocks. No write for request_id may
         start afterwards.
         """
-        with self._registry.lock:
-            if request_id not in self._registry.active:
-                return False
+        if request_id not in self._registry.active:
+            return False
         self._submit(AbortCmd(request_id))
         return True
 
     def send(self, peer_id: str, message: Message) -> None:
         """Send a typed message to a connected peer over the side channel."""
-        with self._registry.lock:
-            if peer_id not in self._registry.peers:
-                raise TransferRejected(f"unknown peer {peer_id!r}")
+        if peer_id not in self._registry.peers:
+            raise TransferRejected(f"unknown peer {peer_id!r}")
         self._submit(SendCmd(peer_id, message))
 
     # -- events ------------------------------------------------------------------------------
@@ -299,14 +294,11 @@ class KVTransferAgent:
                 log.exception("kv progress thread shutdown failed")
 
     def _claim(self, request_id: str) -> None:
-        """Call with the registry lock held."""
         if not request_id:
             raise TransferRejected("request_id must be non-empty")
-        if request_id in self._registry.active:
-            raise TransferRejected(f"request {request_id!r} already has a live transfer")
-        if self._registry.is_tombstoned(request_id):
-            raise TransferRejected(f"request {request_id!r} was aborted")
-        self._registry.active.add(request_id)
+        refused = self._registry.claim(request_id)
+        if refused is not None:
+            raise TransferRejected(refused)
 
     def _submit(self, cmd: Command) -> None:
         self._check_open()

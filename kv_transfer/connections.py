@@ -26,7 +26,7 @@ from common.wire.fingerprint import FingerprintMismatch
 from common.wire.messages import Handshake, HandshakeReply, Heartbeat, PeerInfo, Reject
 from kv_transfer.backends.base import Backend
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import BackendError, HandshakeError
+from kv_transfer.errors import HandshakeError, TransportError
 from kv_transfer.events import PeerConnected, PeerLost, TransferEvent
 from kv_transfer.shared import Registry
 from kv_transfer.side_channel import SideChannel
@@ -105,7 +105,7 @@ class Connections:
             if not reply.accepted:
                 raise HandshakeError(f"{attempt.address} refused the handshake: {reply.error}")
             self._add(reply.peer, attempt.channel, key)
-        except (HandshakeError, BackendError) as e:
+        except (HandshakeError, TransportError) as e:
             self.side.close(key)
             _fail(attempt.futures, HandshakeError(str(e)))
             return
@@ -134,7 +134,7 @@ class Connections:
             key, channel = crossing, self._pending[crossing].channel
         try:
             self._add(info, channel, key)
-        except BackendError as e:
+        except TransportError as e:
             self.side.close(key)
             self.side.reply(routing_id, HandshakeReply(accepted=False, error=str(e), peer=self.me))
             return

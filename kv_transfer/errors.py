@@ -15,7 +15,7 @@ class TransferRejected(TransferError, ValueError):
     """A write/abort/send the layer refuses at once: bad block ids, unknown peer, duplicate id."""
 
 
-class BackendError(TransferError):
+class TransportError(TransferError):
     """The transport library reported an error (wrapped with the backend's name)."""
 
 

@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 _HOT_S = 0.05  # after activity, poll without blocking this long (nixl notifications)
 _MAX_EARLY = 1024
 _BUSY_SLICE_S = 0.0005
-_INLINE_WAIT_S = 0.001  # an inline write waits at most this long for a step to end
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +128,8 @@ class ProgressLoop:
     def try_inline(self, xfer: OutgoingTransfer) -> bool:
         """Owner's thread: post a small write now if the progress thread is idle and
         nothing is queued ahead of it; False leaves it to the command queue."""
-        if not self.backend.posts_inline or not self.state_lock.acquire(timeout=_INLINE_WAIT_S):
-            return False
+        if not self.backend.posts_inline or not self.state_lock.acquire(blocking=False):
+            return False  # the progress thread is mid-step: queue it rather than wait
         try:
             ready = not (self.stopping or self.commands) and xfer.peer_id in self.conns.peers
             if not (ready and self.book.nothing_queued_for(xfer.peer_id)):

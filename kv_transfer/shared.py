@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import os
 import select
-import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
@@ -91,10 +90,16 @@ class Registry:
     peers: connected peer id -> its cache region; addresses: side channel -> peer id;
     active: request ids with a live transfer record; tombstones: request ids that
     were aborted, for which no write may start any more (bounded, oldest dropped).
+
+    No lock: the owner (one thread, the node's event loop) must never wait on the progress
+    thread. `peers` and `addresses` are replaced whole by the progress thread (copy on
+    write), so a reader sees one version or the next. `active` is added to only by the
+    owner (`claim`) and discarded from only by the progress thread; tombstones are added
+    only by the progress thread. Each of those is one set or dict operation, atomic under
+    the GIL, and the owner's check-then-add cannot race another adder.
     """
 
     def __init__(self, max_tombstones: int = 100_000) -> None:
-        self.lock = threading.Lock()
         self.peers: dict[str, KVRegion] = {}
         self.addresses: dict[str, str] = {}
         self.active: set[str] = set()
@@ -102,28 +107,35 @@ class Registry:
         self._max_tombstones = max_tombstones
 
     def add_peer(self, peer_id: str, region: KVRegion, address: str) -> None:
-        with self.lock:
-            self.peers[peer_id] = region
-            self.addresses[address] = peer_id
+        """Progress thread. The peer first, so an address always names a known peer."""
+        self.peers = {**self.peers, peer_id: region}
+        self.addresses = {**self.addresses, address: peer_id}
 
     def remove_peer(self, peer_id: str) -> None:
-        with self.lock:
-            self.peers.pop(peer_id, None)
-            for addr in [a for a, p in self.addresses.items() if p == peer_id]:
-                del self.addresses[addr]
+        """Progress thread. Its addresses first, for the same reason."""
+        self.addresses = {a: p for a, p in self.addresses.items() if p != peer_id}
+        self.peers = {p: r for p, r in self.peers.items() if p != peer_id}
 
     def tombstone(self, request_ids: Iterable[str]) -> None:
-        with self.lock:
-            for rid in request_ids:
-                self._tombstones[rid] = None
-                self._tombstones.move_to_end(rid)
-            while len(self._tombstones) > self._max_tombstones:
-                self._tombstones.popitem(last=False)
+        """Progress thread."""
+        for rid in request_ids:
+            self._tombstones[rid] = None
+            self._tombstones.move_to_end(rid)
+        while len(self._tombstones) > self._max_tombstones:
+            self._tombstones.popitem(last=False)
 
     def is_tombstoned(self, request_id: str) -> bool:
-        """Call with self.lock held."""
         return request_id in self._tombstones
 
+    def claim(self, request_id: str) -> str | None:
+        """Owner: mark `request_id` as having a live transfer, or say why it cannot."""
+        if request_id in self.active:
+            return f"request {request_id!r} already has a live transfer"
+        if request_id in self._tombstones:
+            return f"request {request_id!r} was aborted"
+        self.active.add(request_id)
+        return None
+
     def finish(self, request_id: str) -> None:
-        with self.lock:
-            self.active.discard(request_id)
+        """Progress thread: the transfer of `request_id` has ended."""
+        self.active.discard(request_id)

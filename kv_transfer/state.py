@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-
-class IllegalTransition(RuntimeError):
-    """A state change the table forbids: a bug in the layer, never user input."""
+from common.wire.fsm import IllegalTransition as IllegalTransition  # raised by transition()
+from common.wire.fsm import Transitions
 
 
 class OutState(str, Enum):
@@ -52,24 +51,30 @@ class AbortOrigin(str, Enum):
     PEER = "peer"  # the other side sent Abort
 
 
-_OUT: dict[OutState, frozenset[OutState]] = {
-    OutState.QUEUED: frozenset({OutState.POSTED, OutState.ABORTED, OutState.FAILED}),
-    OutState.POSTED: frozenset({OutState.DONE, OutState.ABORTING, OutState.FAILED}),
-    OutState.ABORTING: frozenset({OutState.DONE, OutState.ABORTED, OutState.FAILED}),
-    OutState.DONE: frozenset(),
-    OutState.ABORTED: frozenset(),
-    OutState.FAILED: frozenset(),
-}
+_OUT: Transitions[OutState] = Transitions(
+    "outgoing transfer",
+    {
+        OutState.QUEUED: frozenset({OutState.POSTED, OutState.ABORTED, OutState.FAILED}),
+        OutState.POSTED: frozenset({OutState.DONE, OutState.ABORTING, OutState.FAILED}),
+        OutState.ABORTING: frozenset({OutState.DONE, OutState.ABORTED, OutState.FAILED}),
+        OutState.DONE: frozenset(),
+        OutState.ABORTED: frozenset(),
+        OutState.FAILED: frozenset(),
+    },
+)
 
-_IN: dict[InState, frozenset[InState]] = {
-    InState.EXPECTED: frozenset(
-        {InState.LANDED, InState.ABORT_REQUESTED, InState.ABORTED, InState.FAILED}
-    ),
-    InState.ABORT_REQUESTED: frozenset({InState.LANDED, InState.ABORTED, InState.FAILED}),
-    InState.LANDED: frozenset(),
-    InState.ABORTED: frozenset(),
-    InState.FAILED: frozenset(),
-}
+_IN: Transitions[InState] = Transitions(
+    "incoming transfer",
+    {
+        InState.EXPECTED: frozenset(
+            {InState.LANDED, InState.ABORT_REQUESTED, InState.ABORTED, InState.FAILED}
+        ),
+        InState.ABORT_REQUESTED: frozenset({InState.LANDED, InState.ABORTED, InState.FAILED}),
+        InState.LANDED: frozenset(),
+        InState.ABORTED: frozenset(),
+        InState.FAILED: frozenset(),
+    },
+)
 
 
 @dataclass(eq=False)
@@ -86,12 +91,10 @@ class OutgoingTransfer:
 
     @property
     def terminal(self) -> bool:
-        return not _OUT[self.state]
+        return _OUT.terminal(self.state)
 
     def transition(self, new: OutState) -> None:
-        if new not in _OUT[self.state]:
-            raise IllegalTransition(f"{self.request_id}: {self.state.value} -> {new.value}")
-        self.state = new
+        self.state = _OUT.move(self.request_id, self.state, new)
 
 
 @dataclass(eq=False)
@@ -104,13 +107,11 @@ class IncomingTransfer:
 
     @property
     def terminal(self) -> bool:
-        return not _IN[self.state]
+        return _IN.terminal(self.state)
 
     @property
     def abort_requested(self) -> bool:
         return self.state is InState.ABORT_REQUESTED
 
     def transition(self, new: InState) -> None:
-        if new not in _IN[self.state]:
-            raise IllegalTransition(f"{self.request_id}: {self.state.value} -> {new.value}")
-        self.state = new
+        self.state = _IN.move(self.request_id, self.state, new)

@@ -21,7 +21,7 @@ from kv_transfer.backends.base import (
     SendFn,
     WriteCompleted,
 )
-from kv_transfer.errors import BackendError
+from kv_transfer.errors import TransportError
 from kv_transfer.events import (
     FailureReason,
     KVReceived,
@@ -70,9 +70,9 @@ class TransferBook:
 
     def submit(self, xfer: OutgoingTransfer, peer_alive: bool) -> None:
         self.out[xfer.request_id] = xfer
-        with self.registry.lock:
-            aborted = self.registry.is_tombstoned(xfer.request_id)
-        if aborted:  # the receiver's Abort arrived after write() was called: never start it
+        if self.registry.is_tombstoned(
+            xfer.request_id
+        ):  # the receiver's Abort arrived after write() was called: never start it
             xfer.abort_origin = AbortOrigin.PEER
             self._end_out(xfer, landed=False, detail="aborted by the receiver")
             return
@@ -214,7 +214,7 @@ class TransferBook:
             self._inflight[peer_id] += 1
             try:
                 ev = self.backend.post(xfer)
-            except BackendError as e:
+            except TransportError as e:
                 self._inflight[peer_id] -= 1
                 self._end_out(xfer, False, FailureReason.BACKEND_ERROR, str(e))
                 continue

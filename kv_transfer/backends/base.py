@@ -77,7 +77,7 @@ class Backend(ABC):
         """Make `info.agent_name` writable and accept its writes.
 
         send_channel: the id the peer assigned to our writes into it;
-        recv_channel: the id we assigned to its writes into us. Raises BackendError.
+        recv_channel: the id we assigned to its writes into us. Raises TransportError.
         """
 
     @abstractmethod
@@ -95,7 +95,7 @@ class Backend(ABC):
 
         The peer's backend reports Landed(xfer.request_id) only after every byte landed.
         Returns an event if the write already ended, else None (reported by progress()).
-        Raises BackendError if it could not be started (nothing was written).
+        Raises TransportError if it could not be started (nothing was written).
         """
 
     @abstractmethod

@@ -36,7 +36,7 @@ from kv_transfer.backends.base import (
     WriteFailed,
 )
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import BackendError
+from kv_transfer.errors import TransportError
 from kv_transfer.layout import CacheLayout
 from kv_transfer.state import OutgoingTransfer
 
@@ -59,7 +59,7 @@ def _nixl_errors() -> tuple[type[BaseException], ...]:
 
 
 @dataclass
-class _Peer:
+class _NixlPeer:
     name: str
     dlist: nixl_prepped_dlist_handle  # over the peer's blocks
     dead: bool = False
@@ -79,10 +79,10 @@ class NixlBackend(Backend):
         conf = nixl_agent_config(enable_prog_thread=config.nixl_progress_thread, backends=["UCX"])
         self._agent = nixl_agent(agent_name, conf)
         if "UCX" not in self._agent.backends:
-            raise BackendError("nixl: the UCX backend plugin is not available")
+            raise TransportError("nixl: the UCX backend plugin is not available")
         self._reg = self._agent.register_memory(layout.tensor)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", layout.block_addrs(), "DRAM")
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, _NixlPeer] = {}
         self._posted: dict[str, OutgoingTransfer] = {}
         self._notify_inline = config.nixl_notify == "nixl"
         self._next_notif_poll = 0.0
@@ -94,13 +94,13 @@ class NixlBackend(Backend):
         try:
             name = _text(self._agent.add_remote_agent(info.backend_metadata))
             if name != info.agent_name:
-                raise BackendError(f"nixl metadata names {name!r}, peer is {info.agent_name!r}")
+                raise TransportError(f"nixl metadata names {name!r}, peer is {info.agent_name!r}")
             rows = self.layout.block_addrs(info.region)
             dlist = self._agent.prep_xfer_dlist(name, rows, "DRAM")
             self._agent.make_connection(name)
         except self._errors as e:
-            raise BackendError(f"nixl: cannot add peer {info.agent_name}: {e}") from e
-        self._peers[name] = _Peer(name, dlist)
+            raise TransportError(f"nixl: cannot add peer {info.agent_name}: {e}") from e
+        self._peers[name] = _NixlPeer(name, dlist)
 
     def remove_peer(self, peer_id: str) -> list[BackendEvent]:
         peer = self._peers.get(peer_id)
@@ -117,14 +117,14 @@ class NixlBackend(Backend):
     def post(self, xfer: OutgoingTransfer) -> BackendEvent | None:
         peer = self._peers.get(xfer.peer_id)
         if peer is None or peer.dead:
-            raise BackendError(f"nixl: peer {xfer.peer_id} is not connected")
+            raise TransportError(f"nixl: peer {xfer.peer_id} is not connected")
         notif = encode(KVDone(request_id=xfer.request_id)) if self._notify_inline else b""
         try:
             handle = self._agent.make_prepped_xfer(
                 "WRITE", self._local, xfer.src_ids, peer.dlist, xfer.dst_ids, notif
             )
         except self._errors as e:
-            raise BackendError(f"nixl: cannot prepare write {xfer.request_id}: {e}") from e
+            raise TransportError(f"nixl: cannot prepare write {xfer.request_id}: {e}") from e
         try:
             state = self._agent.transfer(handle)
             until = time.perf_counter() + _SETTLE_S

@@ -46,7 +46,7 @@ from kv_transfer.backends.base import (
     WriteFailed,
 )
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import BackendError, TransferRejected
+from kv_transfer.errors import TransferRejected, TransportError
 from kv_transfer.layout import CacheLayout, check_block_ids
 from kv_transfer.state import OutgoingTransfer
 
@@ -76,7 +76,7 @@ def _tag_base(channel: int, xfer_id: int) -> int:
 
 
 @dataclass
-class _Peer:
+class _UcxxPeer:
     ep: UCXEndpoint
     send_channel: int
     recv_channel: int
@@ -126,7 +126,7 @@ class UcxxBackend(Backend):
         self._ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._address = ucx_api.UCXAddress.create_from_worker(self._worker)
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, _UcxxPeer] = {}
         self._sends: dict[str, _Requests] = {}
         self._recvs: dict[str, _Requests] = {}
 
@@ -141,8 +141,8 @@ class UcxxBackend(Backend):
                 self._worker, address, self.config.ucxx_error_handling
             )
         except api.UCXError as e:
-            raise BackendError(f"ucxx: cannot reach {info.agent_name}: {e}") from e
-        self._peers[info.agent_name] = _Peer(ep, send_channel, recv_channel)
+            raise TransportError(f"ucxx: cannot reach {info.agent_name}: {e}") from e
+        self._peers[info.agent_name] = _UcxxPeer(ep, send_channel, recv_channel)
 
     def remove_peer(self, peer_id: str) -> list[BackendEvent]:
         peer = self._peers.pop(peer_id, None)
@@ -167,9 +167,9 @@ class UcxxBackend(Backend):
     def post(self, xfer: OutgoingTransfer) -> BackendEvent | None:
         peer = self._peers.get(xfer.peer_id)
         if peer is None:
-            raise BackendError(f"ucxx: peer {xfer.peer_id} is not connected")
+            raise TransportError(f"ucxx: peer {xfer.peer_id} is not connected")
         if xfer.src_ids.size > _MAX_BLOCKS:
-            raise BackendError(f"ucxx: at most {_MAX_BLOCKS} blocks per write")
+            raise TransportError(f"ucxx: at most {_MAX_BLOCKS} blocks per write")
         peer.seq += 1
         header = BlockWrite(
             request_id=xfer.request_id,
@@ -178,7 +178,7 @@ class UcxxBackend(Backend):
             dst_block_ids=xfer.dst_ids.tolist(),
         )
         if not self.send(xfer.peer_id, header):
-            raise BackendError(f"ucxx: cannot announce {xfer.request_id} to {xfer.peer_id}")
+            raise TransportError(f"ucxx: cannot announce {xfer.request_id} to {xfer.peer_id}")
         reqs = self._per_block(peer.ep.tag_send, peer.send_channel, peer.seq, xfer.src_ids)
         self._sends[xfer.request_id] = _Requests(xfer.peer_id, xfer.request_id, reqs)
         return None

@@ -46,7 +46,7 @@ from kv_transfer.backends.base import (
     WriteFailed,
 )
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import BackendError, TransferRejected
+from kv_transfer.errors import TransferRejected, TransportError
 from kv_transfer.layout import CacheLayout, check_block_ids
 from kv_transfer.state import OutgoingTransfer
 
@@ -109,7 +109,7 @@ class ZmqBackend(Backend):
     def add_peer(self, info: PeerInfo, send_channel: int, recv_channel: int) -> None:
         endpoint = info.backend_metadata.decode(errors="replace")
         if not endpoint.startswith(("tcp://", "ipc://")):
-            raise BackendError(f"zmq: peer {info.agent_name} sent a bad endpoint {endpoint!r}")
+            raise TransportError(f"zmq: peer {info.agent_name} sent a bad endpoint {endpoint!r}")
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 0)
         push.setsockopt(zmq.LINGER, 0)
@@ -131,7 +131,7 @@ class ZmqBackend(Backend):
     def post(self, xfer: OutgoingTransfer) -> BackendEvent | None:
         push = self._pushes.get(xfer.peer_id)
         if push is None:
-            raise BackendError(f"zmq: peer {xfer.peer_id} is not connected")
+            raise TransportError(f"zmq: peer {xfer.peer_id} is not connected")
         self._seq += 1
         per_part = max(1, PART_BYTES // self.layout.block_bytes)
         starts = range(0, len(xfer.src_ids), per_part)
@@ -150,7 +150,7 @@ class ZmqBackend(Backend):
                 # .data (a memoryview): numpy types ndarray as a Buffer only from Python 3.12 on
                 trackers.append(push.send(buf.data, zmq.NOBLOCK, copy=False, track=True))
             except zmq.ZMQError as e:  # (an unlimited HWM: only a closing socket refuses)
-                raise BackendError(f"zmq: cannot send {xfer.request_id}: {e}") from e
+                raise TransportError(f"zmq: cannot send {xfer.request_id}: {e}") from e
             staging.append(buf)
         self._sends[xfer.request_id] = _Send(xfer, trackers, staging)
         return None
