@@ -11,7 +11,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.text.tokenizer import Tokenizer
 from common.wire.sampling_params import SamplingParams
-from tests.e2e.cluster import Cluster
+from tests.support.cluster import Cluster
 
 Topology = tuple[int, int, int]  # prefill, decode, colocated nodes
 

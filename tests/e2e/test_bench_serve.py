@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from proxy.bench.main import main
-from tests.e2e.cluster import Service, http_json
+from tests.support.cluster import Service, http_json
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 REQUIRED = (

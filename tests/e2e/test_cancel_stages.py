@@ -26,8 +26,8 @@ import pytest
 from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
 from common.wire.sampling_params import SamplingParams
-from tests.e2e.aclient import Request, get_json, metric, until
-from tests.e2e.cluster import Cluster, Proc
+from tests.support.aclient import Request, get_json, metric, until
+from tests.support.cluster import Cluster, Proc
 
 BLOCK_SIZE = 16
 FREED_WITHIN_S = 2.0

@@ -23,8 +23,8 @@ import pytest
 from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
 from common.wire.sampling_params import SamplingParams
-from tests.e2e.aclient import Request, get_json, metric, stream_completion, until
-from tests.e2e.cluster import Cluster, Proc
+from tests.support.aclient import Request, get_json, metric, stream_completion, until
+from tests.support.cluster import Cluster, Proc
 
 
 class Pools:

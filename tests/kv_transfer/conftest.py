@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kvt_harness import NodeProc, start_nodes
 
 from kv_transfer.config import BACKENDS
+from tests.support.kv_agents import NodeProc, start_nodes
 
 
 @dataclass

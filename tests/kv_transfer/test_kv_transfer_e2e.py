@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvt_harness import (
+
+from tests.support.kv_agent_node import pattern
+from tests.support.kv_agents import (
     CacheSpec,
     NodeProc,
     collect,
@@ -17,7 +19,6 @@ from kvt_harness import (
     start_pair,
     terminal,
 )
-from node_proc import pattern
 
 WAIT = 60.0  # generous bound for any awaited event
 

@@ -14,18 +14,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from proxy_harness import (
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.loop import AsyncEngine
+from common.text.tokenizer import Tokenizer
+from tests.support.proxy_harness import (
     MAX_MODEL_LEN,
     NUM_BLOCKS,
     OfflineEngine,
     ProxyHarness,
     RecordingHooks,
 )
-
-from common.engine.config import EngineConfig
-from common.engine.engine import LLMEngine
-from common.engine.loop import AsyncEngine
-from common.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

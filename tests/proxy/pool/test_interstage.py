@@ -6,10 +6,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from node_stubs import Stack, StubNode, decode_request, eventually, proxy_stack, run, stubs
 
 from proxy.http.backend import BackendError
 from proxy.pool.interstage import QueueEntry
+from tests.support.node_stubs import (
+    Stack,
+    StubNode,
+    decode_request,
+    eventually,
+    proxy_stack,
+    run,
+    stubs,
+)
 
 
 async def _read_all(stack: Stack, entry: QueueEntry) -> list[int]:

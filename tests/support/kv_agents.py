@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import zmq
 
-NODE_SCRIPT = Path(__file__).with_name("node_proc.py")
+NODE_SCRIPT = Path(__file__).with_name("kv_agent_node.py")
 
 # Short liveness settings so hung-peer detection stays well inside the tests' waits.
 TEST_CONFIG = {

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 from openai import OpenAI
-from proxy_harness import MAX_MODEL_LEN, MODEL, OfflineEngine, ProxyHarness
 
 from common.wire.sampling_params import SamplingParams
+from tests.support.proxy_harness import MAX_MODEL_LEN, MODEL, OfflineEngine, ProxyHarness
 
 CHAT_PROMPT = "Hello, who are you?"
 TEXT_PROMPT = "The quick brown fox"

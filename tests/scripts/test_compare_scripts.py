@@ -12,7 +12,7 @@ from common.text.tokenizer import Tokenizer
 from proxy.bench.client import RequestResult
 from proxy.bench.stats import Slo, summarize
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def _script(name: str) -> ModuleType:

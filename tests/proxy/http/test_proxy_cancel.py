@@ -12,11 +12,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from proxy_harness import MODEL, OfflineEngine, ProxyHarness
 
 from common.wire.sampling_params import SamplingParams
 from proxy.http.backend import BackendError, GenerationRequest, TokenChunk, TokenStream
 from proxy.http.server import build_app
+from tests.support.proxy_harness import MODEL, OfflineEngine, ProxyHarness
 
 # ~5 s of decoding on the tiny model: a test that sees the engine idle within 2 s cancelled it.
 LONG = {"prompt": "The quick brown fox", "max_tokens": 480, "ignore_eos": True, "temperature": 0}

@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from proxy_harness import MAX_BODY_BYTES, MAX_MODEL_LEN, MODEL, ProxyHarness
+
+from tests.support.proxy_harness import MAX_BODY_BYTES, MAX_MODEL_LEN, MODEL, ProxyHarness
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from aiohttp import web
-from node_stubs import FAST, StubNode, eventually, run, stubs
 
 from proxy.http.backend import BackendError
 from proxy.pool.admin import AdminRoutes
 from proxy.pool.client import NodeClient
 from proxy.pool.node_state import NodeStatus, Role
 from proxy.pool.registry import NodeRegistry, RegistrationError, RegistryConfig
+from tests.support.node_stubs import FAST, StubNode, eventually, run, stubs
 
 
 class Registry:
