@@ -11,24 +11,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.text.tokenizer import Tokenizer
 from common.wire.sampling_params import SamplingParams
-from tests.support.cluster import Cluster
-
-Topology = tuple[int, int, int]  # prefill, decode, colocated nodes
-
-
-def start_cluster(model_dir: Path, topology: Topology, **engine: object) -> Cluster:
-    cluster = Cluster(model_dir, **engine)
-    try:
-        n_p, n_d, n_c = topology
-        prefill = [cluster.node("prefill", f"prefill-{i}", wait=False) for i in range(n_p)]
-        decode = [cluster.node("decode", f"decode-{i}", wait=False) for i in range(n_d)]
-        both = [cluster.node("both", f"both-{i}", wait=False) for i in range(n_c)]
-        cluster.wait_all()
-        cluster.start_proxy(prefill=prefill, decode=decode, colocated=both)
-    except BaseException:
-        cluster.close()
-        raise
-    return cluster
+from tests.support.cluster import Cluster, Topology, start_cluster
 
 
 @pytest.fixture(scope="module")

@@ -27,14 +27,14 @@ from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
 from common.wire.sampling_params import SamplingParams
 from tests.support.aclient import Request, get_json, metric, until
-from tests.support.cluster import Cluster, Proc
+from tests.support.cluster import Cluster, Server
 
 BLOCK_SIZE = 16
 FREED_WITHIN_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def slow(tiny_model_dir: Path) -> Iterator[tuple[Cluster, Proc]]:
+def slow(tiny_model_dir: Path) -> Iterator[tuple[Cluster, Server]]:
     """The cluster, its main proxy, and (second) a proxy with one edge slot."""
     cluster = Cluster(tiny_model_dir)
     try:
@@ -83,10 +83,10 @@ class Scenario:
     def start(self, body: dict[str, Any], url: str | None = None) -> Request:
         return Request(self.session, url or self.url, body)
 
-    async def state(self, node: Proc) -> dict[str, Any]:
+    async def state(self, node: Server) -> dict[str, Any]:
         return await get_json(self.session, f"{node.url}/state")
 
-    async def until_state(self, node: Proc, what: str, check: Callable[[dict], bool]) -> None:
+    async def until_state(self, node: Server, what: str, check: Callable[[dict], bool]) -> None:
         async def ok() -> bool:
             return check(await self.state(node))
 
@@ -120,7 +120,7 @@ class Scenario:
 
 
 def _run(
-    slow: tuple[Cluster, Proc],
+    slow: tuple[Cluster, Server],
     tokenizer: Tokenizer,
     offline: Any,
     body: Callable[[Scenario], Any],

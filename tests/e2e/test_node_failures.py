@@ -24,18 +24,18 @@ from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
 from common.wire.sampling_params import SamplingParams
 from tests.support.aclient import Request, get_json, metric, stream_completion, until
-from tests.support.cluster import Cluster, Proc
+from tests.support.cluster import Cluster, Server
 
 
 class Pools:
-    def __init__(self, cluster: Cluster, migrating: Proc, plain: Proc) -> None:
+    def __init__(self, cluster: Cluster, migrating: Server, plain: Server) -> None:
         self.cluster = cluster
         self.migrating = migrating  # proxy with --migrate-limit 1 (the default)
         self.plain = plain  # proxy with --migrate-limit 0
         self.prefill = [p for p in cluster.nodes() if p.name.startswith("prefill")]
         self.decode = [p for p in cluster.nodes() if p.name.startswith("decode")]
 
-    def replace(self, old: Proc, new: Proc) -> None:
+    def replace(self, old: Server, new: Server) -> None:
         for pool in (self.prefill, self.decode):
             if old in pool:
                 pool[pool.index(old)] = new
@@ -77,9 +77,9 @@ def _expected(tokenizer: Tokenizer, offline: Callable, body: dict[str, Any]) -> 
     return tokenizer.decode(offline(tokenizer.encode(body["prompt"]), sp))
 
 
-async def _busy(session: aiohttp.ClientSession, nodes: list[Proc], key: str) -> Proc:
+async def _busy(session: aiohttp.ClientSession, nodes: list[Server], key: str) -> Server:
     """The node of `nodes` whose /state shows a request under `key` (running, held...)."""
-    found: list[Proc] = []
+    found: list[Server] = []
 
     async def one() -> bool:
         for node in nodes:
@@ -93,12 +93,12 @@ async def _busy(session: aiohttp.ClientSession, nodes: list[Proc], key: str) -> 
     return found[0]
 
 
-async def _node_status(session: aiohttp.ClientSession, proxy: Proc, url: str) -> str:
+async def _node_status(session: aiohttp.ClientSession, proxy: Server, url: str) -> str:
     listed = await get_json(session, f"{proxy.url}/admin/nodes")
     return next(n["status"] for n in listed["nodes"] if n["url"] == url)
 
 
-async def _rejoin(pools: Pools, session: aiohttp.ClientSession, dead: Proc) -> Proc:
+async def _rejoin(pools: Pools, session: aiohttp.ClientSession, dead: Server) -> Server:
     """Restart `dead` on its URL; every proxy marks it up again without any manual step."""
     for proxy in (pools.migrating, pools.plain):
         await until(
@@ -112,7 +112,7 @@ async def _rejoin(pools: Pools, session: aiohttp.ClientSession, dead: Proc) -> P
     pools.replace(dead, new)
     for proxy in (pools.migrating, pools.plain):
 
-        async def up(proxy: Proc = proxy) -> bool:
+        async def up(proxy: Server = proxy) -> bool:
             return await _node_status(session, proxy, new.url) == "up"
 
         await until(up, 10.0, f"{proxy.name} taking {new.name} back")
@@ -298,8 +298,8 @@ def test_sigterm_drains_frees_every_block_and_exits_0(
         req = Request(session, pools.migrating.url, body)
         await until(lambda: _true(req.result.events >= 5), 60.0, "five streamed tokens")
         victim = await _busy(session, pools.decode, "running")
-        victim.popen.send_signal(signal.SIGTERM)
-        code = await asyncio.to_thread(victim.popen.wait, 30)
+        victim.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(victim.wait, 30)
         assert code == 0
         log = victim.log_path.read_text()
         assert "stopped: blocks" in log
@@ -343,6 +343,6 @@ async def _true(value: bool) -> bool:
 
 
 async def _node_status_is(
-    session: aiohttp.ClientSession, proxy: Proc, url: str, status: str
+    session: aiohttp.ClientSession, proxy: Server, url: str, status: str
 ) -> bool:
     return await _node_status(session, proxy, url) == status

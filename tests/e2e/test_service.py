@@ -15,8 +15,8 @@ import pytest
 from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
 from common.wire.sampling_params import SamplingParams
-from tests.e2e.conftest import start_cluster
-from tests.support.cluster import Cluster, http_json
+from tests.support.cluster import Cluster, start_cluster
+from tests.support.http import http_json
 
 TOPOLOGIES = {"1p1d": (1, 1, 0), "2p2d": (2, 2, 0), "colocated": (0, 0, 1)}
 

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import procs
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return procs.run(procs.python(*args), env=procs.child_env(env), timeout=timeout)
 
 
 def test_bench_kernels_prints_a_table() -> None:

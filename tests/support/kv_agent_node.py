@@ -1,6 +1,6 @@
 """A test node: one process hosting a KVTransferAgent, driven by the test over zmq.
 
-    python node_proc.py <control endpoint>
+    python -m tests.support.kv_agent_node <control endpoint>
 
 The test binds a PAIR socket; this process connects, says {"ready": pid}, then
 answers msgpack requests {"op": name, ...} with {"ok": true, "result": ...} or
@@ -28,7 +28,7 @@ from common.wire.fingerprint import Fingerprint
 from common.wire.messages import Message
 from kv_transfer import KVTransferAgent, TransferConfig
 
-log = logging.getLogger("node_proc")
+log = logging.getLogger("kv_agent_node")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -124,17 +124,8 @@ class Node:
         return self.agent.layout.blocks[torch.tensor(a["ids"])].numpy().tobytes()
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the test process dies, so no node outlives a killed run."""
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def main(endpoint: str) -> None:
-    _die_with_parent()
+    # Started by tests.support.kv_agents through procs: it dies with the test process.
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )

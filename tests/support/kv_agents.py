@@ -1,15 +1,14 @@
-"""Test-side handle on node processes (node_proc.py) and event helpers.
+"""Test-side handles on KV agent node processes (kv_agent_node.py), and event helpers.
 
-Every process started here is stopped by its fixture in a finally block: asked
-to exit, then killed by pid if it does not within a few seconds.
+Each `AgentNode` is a process started through `procs` and driven over a zmq PAIR socket.
+Its owner (a fixture) stops it in a finally block: asked to exit, then killed by pid if it
+does not within a few seconds.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import msgpack
 import numpy as np
 import zmq
 
-NODE_SCRIPT = Path(__file__).with_name("kv_agent_node.py")
+from tests.support import procs
 
 # Short liveness settings so hung-peer detection stays well inside the tests' waits.
 TEST_CONFIG = {
@@ -29,45 +28,47 @@ TEST_CONFIG = {
     "close_timeout_s": 3.0,
 }
 TERMINAL = ("TransferDone", "TransferFailed", "KVReceived", "Quiescent")
+ENV = {"OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n", "NIXL_LOG_LEVEL": "WARN"}
 
 
 class NodeError(RuntimeError):
     """An operation failed inside the node process (message carries its error)."""
 
 
-class NodeProc:
+class AgentNode:
+    """One process hosting a KVTransferAgent; `call(op, ...)` runs an operation in it."""
+
     def __init__(self, name: str, log_dir: Path) -> None:
         self.name = name
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock = zmq.Context.instance().socket(zmq.PAIR)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self.log_path = log_dir / f"{name}.log"
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "UCX_WARN_UNUSED_ENV_VARS": "n",
-            "NIXL_LOG_LEVEL": "WARN",
-        }
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(NODE_SCRIPT), f"tcp://127.0.0.1:{port}"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
+        argv = procs.module("tests.support.kv_agent_node", f"tcp://127.0.0.1:{port}")
+        self.proc = procs.spawn(
+            name,
+            argv,
+            log_dir / f"{name}.log",
+            env=procs.child_env(**ENV),
+            death_signal=signal.SIGKILL,
+        )
+
+    @property
+    def log_path(self) -> Path:
+        return self.proc.log_path
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._sock.poll(200):
-                self._sock.recv()
-                return
-            if self.proc.poll() is not None:
-                raise NodeError(
-                    f"{self.name} exited with {self.proc.returncode}\n{self.log_tail()}"
-                )
-        raise TimeoutError(f"{self.name} did not start in {timeout}s\n{self.log_tail()}")
+        """Until the process says it is ready on the control socket."""
+
+        def said_ready() -> bool:
+            if not self._sock.poll(200):
+                return False
+            self._sock.recv()
+            return True
+
+        try:
+            procs.wait_ready(self.proc, said_ready, timeout, what="started", poll_s=0.0)
+        except RuntimeError as e:  # it exited
+            raise NodeError(str(e)) from None
 
     def call(self, op: str, timeout: float = 60.0, **args: object) -> object:
         if not self._sock.poll(int(timeout * 1000), zmq.POLLOUT):  # never block forever
@@ -90,36 +91,34 @@ class NodeProc:
         return self.call("events", timeout=wait + 30, wait=wait)  # type: ignore[return-value]
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
+        """SIGKILL, by pid (the tests' way to make a peer vanish mid-transfer)."""
+        self.proc.kill()
 
     def stop(self) -> None:
+        """Ask the process to exit (its agent closes), then SIGKILL it by pid if needed."""
         try:
-            if self.proc.poll() is None:
+            if self.proc.alive():
                 self.call("exit", timeout=15)
                 self.proc.wait(10)
         except (TimeoutError, NodeError, subprocess.TimeoutExpired, zmq.ZMQError):
             pass
         finally:
-            if self.proc.poll() is None:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+            self.proc.stop(signal.SIGKILL, grace=10)
             self._sock.close(linger=0)
 
     def log_tail(self, n: int = 4000) -> str:
         try:
-            return self.log_path.read_text(errors="replace")[-n:]
+            return self.proc.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
 
 
-def start_nodes(names: list[str], log_dir: Path) -> list[NodeProc]:
+def start_nodes(names: list[str], log_dir: Path) -> list[AgentNode]:
     """Start processes in parallel; on any failure stop the ones already started."""
-    nodes: list[NodeProc] = []
+    nodes: list[AgentNode] = []
     try:
         for name in names:
-            nodes.append(NodeProc(name, log_dir))
+            nodes.append(AgentNode(name, log_dir))
         for node in nodes:
             node.wait_ready()
     except BaseException:
@@ -130,7 +129,7 @@ def start_nodes(names: list[str], log_dir: Path) -> list[NodeProc]:
 
 
 def collect(
-    node: NodeProc,
+    node: AgentNode,
     until: Callable[[list[dict]], bool],
     timeout: float,
     into: list[dict] | None = None,
@@ -192,8 +191,8 @@ def read_shm(path: Path, spec: CacheSpec) -> np.ndarray:
 
 
 def start_pair(
-    prefill: NodeProc,
-    decode: NodeProc,
+    prefill: AgentNode,
+    decode: AgentNode,
     backend: str,
     p_spec: CacheSpec,
     d_spec: CacheSpec,

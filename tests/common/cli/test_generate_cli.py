@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.text.tokenizer import Tokenizer
 from common.wire.sampling_params import SamplingParams
+from tests.support import procs
 
 PROMPT = "Héllo wörld, 你好 🌿"
 
 
 def test_generate_cli_json_matches_engine(tiny_model_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "common.cli", "generate", "--model", str(tiny_model_dir)]
+    cmd = procs.module("common.cli", "generate", "--model", str(tiny_model_dir))
     cmd += ["--prompt", PROMPT, "--max-tokens", "12", "--ignore-eos", "--json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    res = procs.run(cmd, timeout=120, check=True)
     out = json.loads(res.stdout)
     tok = Tokenizer.from_dir(tiny_model_dir)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=32))
@@ -34,19 +32,16 @@ def test_generate_cli_json_matches_engine(tiny_model_dir: Path) -> None:
 
 
 def test_generate_cli_streams_text(tiny_model_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "common.cli", "generate", "--model", str(tiny_model_dir)]
+    cmd = procs.module("common.cli", "generate", "--model", str(tiny_model_dir))
     cmd += ["--prompt", "Hello", "--max-tokens", "8", "--chat", "--seed", "3"]
     cmd += ["--temperature", "0.8"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    res = procs.run(cmd, timeout=120, check=True)
     assert res.stdout.strip()
 
 
 def test_generate_cli_bad_model_dir_is_a_message(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "common.cli", "generate", "--model", str(tmp_path)]
-    cmd += ["--prompt", "x"]
-    res = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": ""}
-    )
+    cmd = procs.module("common.cli", "generate", "--model", str(tmp_path), "--prompt", "x")
+    res = procs.run(cmd, timeout=120, env=procs.child_env(PYTHONWARNINGS=""))
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
     assert "tokenizer.json" in res.stderr or "config.json" in res.stderr

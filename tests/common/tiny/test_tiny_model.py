@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +12,7 @@ import pytest
 import common.tiny.model as tiny_model
 from common.text.tokenizer import Tokenizer
 from common.tiny.model import MODEL_VERSION, default_cache_root, default_model_dir, train_bpe
+from tests.support import procs
 
 EXPECTED_FILES = {
     "config.json",
@@ -32,14 +30,15 @@ def digests(d: Path) -> dict[str, str]:
 
 def test_identical_bytes_across_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
     code = "import sys; from common.tiny.model import make_tiny_model; make_tiny_model(sys.argv[1])"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(tmp_path / f"run{seed}")],
-            env={**os.environ, "PYTHONHASHSEED": str(seed)},
-        )
-        for seed in (1, 2)
-    ]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    runs: list[procs.Proc] = []
+    try:
+        for seed in (1, 2):  # at the same time, with different hash seeds
+            argv = procs.python("-c", code, str(tmp_path / f"run{seed}"))
+            env = procs.child_env(PYTHONHASHSEED=str(seed))
+            runs.append(procs.spawn(f"run{seed}", argv, tmp_path / f"run{seed}.log", env=env))
+        assert [p.wait(timeout=120) for p in runs] == [0, 0], [p.log_tail() for p in runs]
+    finally:
+        procs.stop_all(runs)
     first = digests(tmp_path / "run1")
     assert set(first) == EXPECTED_FILES
     assert first == digests(tmp_path / "run2") == digests(tiny_model_dir)
