@@ -1,7 +1,18 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the guard that keeps the fast tier free of processes.
+
+Tiers: `pytest -m "not e2e"` is the fast tier (in-process only); `pytest` runs everything.
+A test that starts a process (a node, a proxy, a CLI command, a script) is marked `e2e`;
+any other test that tries to start one fails at once (see `_processes_only_in_e2e_tests`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import asyncio.subprocess
+import multiprocessing.process
+import os
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +20,72 @@ import pytest
 
 from common.text.tokenizer import Tokenizer
 from common.tiny.model import make_tiny_model
+from tests.support import procs
+
+# -- the fast tier starts no process -----------------------------------------------------------
+
+
+class ProcessInFastTest(RuntimeError):
+    """A test not marked e2e tried to start a process."""
+
+
+# Every way to start a process that a test, a fixture or the code under test might take.
+# Popen.__init__ also covers subprocess.run/check_output and asyncio's subprocess transports.
+_SPAWNERS: list[tuple[object, str]] = [
+    (subprocess.Popen, "__init__"),
+    (asyncio, "create_subprocess_exec"),
+    (asyncio, "create_subprocess_shell"),
+    (asyncio.subprocess, "create_subprocess_exec"),
+    (asyncio.subprocess, "create_subprocess_shell"),
+    (multiprocessing.process.BaseProcess, "start"),
+    (os, "fork"),
+    (os, "forkpty"),
+    (os, "posix_spawn"),
+    (os, "posix_spawnp"),
+    (os, "system"),
+]
+
+
+def _current_test() -> str | None:
+    """The node id of the test pytest is setting up, running or tearing down (any fixture
+    scope), from the PYTEST_CURRENT_TEST variable pytest maintains; None between tests."""
+    current = os.environ.get("PYTEST_CURRENT_TEST")
+    return current.rsplit(" (", 1)[0] if current else None
+
+
+def _guarded(owner: object, name: str, fast: frozenset[str]) -> Callable[..., Any]:
+    original = getattr(owner, name)
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        test = _current_test()
+        if test in fast:
+            where = f"{getattr(owner, '__name__', owner)}.{name}"
+            shown = [a for a in args if not isinstance(a, subprocess.Popen)][:1]
+            raise ProcessInFastTest(
+                f"{test} is not marked e2e but tried to start a process ({where}"
+                f"{'(' + repr(shown[0])[:200] + ', ...)' if shown else ''}). Mark it "
+                "@pytest.mark.e2e (and slow if it takes long), or keep it in-process."
+            )
+        return original(*args, **kwargs)
+
+    return guarded
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _processes_only_in_e2e_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For every test not marked e2e, starting a process raises ProcessInFastTest.
+
+    Installed once for the session, so it also covers the fixtures a test sets up, of any
+    scope; each call checks which test pytest is on. At the end, any process a test
+    spawned through tests.support.procs and left running is killed and reported."""
+    fast = frozenset(i.nodeid for i in request.session.items if not i.get_closest_marker("e2e"))
+    with pytest.MonkeyPatch.context() as mp:
+        for owner, name in _SPAWNERS:
+            if hasattr(owner, name):
+                mp.setattr(owner, name, _guarded(owner, name, fast))
+        yield
+    leaked = procs.reap_all()
+    assert not leaked, f"processes left running by tests, killed at session end: {leaked}"
 
 
 @pytest.fixture(scope="session")

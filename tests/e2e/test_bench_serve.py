@@ -16,6 +16,8 @@ from tests.support import procs
 from tests.support.cluster import Service
 from tests.support.http import http_json
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 REQUIRED = (
     "sent",

@@ -29,6 +29,9 @@ from common.wire.sampling_params import SamplingParams
 from tests.support.aclient import Request, get_json, metric, until
 from tests.support.cluster import Cluster, Server
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
 BLOCK_SIZE = 16
 FREED_WITHIN_S = 2.0
 

@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from tests.support.cluster import Cluster, start_cluster
 from tests.support.http import http_json
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 MAX_LEN = 2048  # the default model's context
 VOCAB = 2816
 ERROR_KEYS = {"message", "type", "param", "code"}

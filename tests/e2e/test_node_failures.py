@@ -26,6 +26,8 @@ from common.wire.sampling_params import SamplingParams
 from tests.support.aclient import Request, get_json, metric, stream_completion, until
 from tests.support.cluster import Cluster, Server
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 
 class Pools:
     def __init__(self, cluster: Cluster, migrating: Server, plain: Server) -> None:

@@ -21,6 +21,9 @@ from tests.support.aclient import Request, sample_sum, stream_completion, until
 from tests.support.cluster import Cluster, start_cluster
 from tests.support.http import http_json
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
 # Causal order of a disaggregated request's boundaries, with the owner of each.
 DISAGG_ROWS = [
     ("received", "proxy"),

@@ -18,6 +18,8 @@ from common.wire.sampling_params import SamplingParams
 from tests.support.cluster import Cluster, start_cluster
 from tests.support.http import http_json
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 TOPOLOGIES = {"1p1d": (1, 1, 0), "2p2d": (2, 2, 0), "colocated": (0, 0, 1)}
 
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.support import procs
 from tests.support.cluster import start_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_soak_with_random_disconnects_leaves_nothing_behind(

@@ -82,6 +82,7 @@ def test_broken_triton_falls_back_under_auto_only(monkeypatch):
         kernels_for("cuda", "triton")
 
 
+@pytest.mark.e2e
 def test_importing_the_engine_does_not_import_triton():
     """A machine with a broken triton still runs the torch path."""
     code = (

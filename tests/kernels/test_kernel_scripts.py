@@ -10,6 +10,8 @@ import pytest
 
 from tests.support import procs
 
+pytestmark = pytest.mark.e2e
+
 
 def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     return procs.run(procs.python(*args), env=procs.child_env(env), timeout=timeout)

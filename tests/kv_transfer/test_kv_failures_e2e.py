@@ -29,6 +29,8 @@ from tests.support.kv_agents import (
     terminal,
 )
 
+pytestmark = pytest.mark.e2e
+
 WAIT = 60.0
 BIG = dict(layers=8, heads=8, dim=64, block_size=16)  # 1 MiB float32 blocks
 N, PER = 16, 16  # transfers, blocks per transfer

@@ -20,6 +20,8 @@ from tests.support.kv_agents import (
     terminal,
 )
 
+pytestmark = pytest.mark.e2e
+
 WAIT = 60.0  # generous bound for any awaited event
 
 LAYOUTS = {

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.text.tokenizer import Tokenizer
 from common.wire.sampling_params import SamplingParams
 from tests.support import procs
+
+pytestmark = pytest.mark.e2e
 
 PROMPT = "Héllo wörld, 你好 🌿"
 

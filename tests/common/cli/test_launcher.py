@@ -23,6 +23,7 @@ def _node(tmp_path: Path, code: str, name: str = "n") -> NodeProcess:
     return NodeProcess(name, "prefill", argv, "http://127.0.0.1:9", tmp_path / f"{name}.log")
 
 
+@pytest.mark.e2e
 def test_a_node_is_ready_on_its_ready_line_and_stops_on_sigterm(tmp_path: Path) -> None:
     async def body() -> None:
         node = _node(tmp_path, f"import time; {READY}; time.sleep(60)")
@@ -37,6 +38,7 @@ def test_a_node_is_ready_on_its_ready_line_and_stops_on_sigterm(tmp_path: Path) 
     asyncio.run(asyncio.wait_for(body(), 30))
 
 
+@pytest.mark.e2e
 def test_a_node_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
     ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
     code = f"{ignore}; {READY}; time.sleep(60)"
@@ -51,6 +53,7 @@ def test_a_node_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path
     asyncio.run(asyncio.wait_for(body(), 30))
 
 
+@pytest.mark.e2e
 def test_a_node_that_dies_at_start_fails_the_launch_with_its_log_tail(tmp_path: Path) -> None:
     async def body() -> None:
         node = _node(tmp_path, "import sys; print('boom: bad flag'); sys.exit(3)", "bad")
@@ -66,6 +69,7 @@ def test_a_node_that_dies_at_start_fails_the_launch_with_its_log_tail(tmp_path: 
     asyncio.run(asyncio.wait_for(body(), 30))
 
 
+@pytest.mark.e2e
 def test_a_node_that_never_gets_ready_times_out(tmp_path: Path) -> None:
     async def body() -> None:
         node = _node(tmp_path, "import time; print('loading', flush=True); time.sleep(60)")
@@ -114,6 +118,7 @@ def test_pin_cores_gives_each_node_its_own_cores(tmp_path: Path) -> None:
         UpConfig(model="M", colocated=1, threads_per_node=len(ours) + 1, pin_cores=True)
 
 
+@pytest.mark.e2e
 def test_a_pinned_node_runs_on_its_cores(tmp_path: Path) -> None:
     core = min(os.sched_getaffinity(0))
     code = f"import os; print('cpus', sorted(os.sched_getaffinity(0)), flush=True); {READY}"

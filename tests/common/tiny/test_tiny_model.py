@@ -28,6 +28,7 @@ def digests(d: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
 
 
+@pytest.mark.e2e
 def test_identical_bytes_across_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
     code = "import sys; from common.tiny.model import make_tiny_model; make_tiny_model(sys.argv[1])"
     runs: list[procs.Proc] = []
