@@ -15,8 +15,9 @@ from tests.support.cluster import Cluster, Topology, start_cluster
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_model_dir: Path) -> Callable[[list[int], SamplingParams], list[int]]:
-    """The offline engine's output ids for a prompt, one request at a time (cached)."""
+def offline_token_ids(tiny_model_dir: Path) -> Callable[[list[int], SamplingParams], list[int]]:
+    """`offline_token_ids(prompt_ids, sampling)`: the offline engine's output token ids for
+    one prompt run alone (cached per prompt and sampling), to compare served text with."""
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=256))
     cache: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}
 

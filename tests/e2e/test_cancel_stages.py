@@ -73,12 +73,16 @@ def _body(prompt: str, max_tokens: int) -> dict[str, Any]:
 
 class Scenario:
     def __init__(
-        self, cluster: Cluster, session: aiohttp.ClientSession, tokenizer: Tokenizer, offline: Any
+        self,
+        cluster: Cluster,
+        session: aiohttp.ClientSession,
+        tokenizer: Tokenizer,
+        offline_token_ids: Any,
     ):
         self.cluster = cluster
         self.session = session
         self.tokenizer = tokenizer
-        self.offline = offline
+        self.offline_token_ids = offline_token_ids
         assert cluster.proxy is not None
         self.url = cluster.proxy.url
         self.prefill, self.decode = cluster.nodes()
@@ -118,28 +122,28 @@ class Scenario:
         res = await req.wait()
         assert res.error is None and res.done, res
         sp = SamplingParams(temperature=0.0, max_tokens=body["max_tokens"], ignore_eos=True)
-        want = self.offline(self.tokenizer.encode(body["prompt"]), sp)
+        want = self.offline_token_ids(self.tokenizer.encode(body["prompt"]), sp)
         assert res.text == self.tokenizer.decode(want)
 
 
 def _run(
     slow: tuple[Cluster, Server],
     tokenizer: Tokenizer,
-    offline: Any,
+    offline_token_ids: Any,
     body: Callable[[Scenario], Any],
 ) -> None:
     cluster, _ = slow
 
     async def main() -> None:
         async with aiohttp.ClientSession() as session:
-            sc = Scenario(cluster, session, tokenizer, offline)
+            sc = Scenario(cluster, session, tokenizer, offline_token_ids)
             await body(sc)
 
     asyncio.run(main())
     cluster.wait_baseline(timeout=30.0)
 
 
-def test_cancel_in_edge_queue(slow, tokenizer: Tokenizer, offline: Callable) -> None:
+def test_cancel_in_edge_queue(slow, tokenizer: Tokenizer, offline_token_ids: Callable) -> None:
     _, edge_proxy = slow
 
     async def body(sc: Scenario) -> None:
@@ -169,10 +173,10 @@ def test_cancel_in_edge_queue(slow, tokenizer: Tokenizer, offline: Callable) -> 
         await sc.only_others_left([other_body])
         await sc.check_output(other, other_body)
 
-    _run(slow, tokenizer, offline, body)
+    _run(slow, tokenizer, offline_token_ids, body)
 
 
-def test_cancel_in_prefill_queue(slow, tokenizer: Tokenizer, offline: Callable) -> None:
+def test_cancel_in_prefill_queue(slow, tokenizer: Tokenizer, offline_token_ids: Callable) -> None:
     async def body(sc: Scenario) -> None:
         other_body = _body(_prompt(tokenizer, 1200), 8)  # 3 prefill chunks: >= 0.75 s
         other = sc.start(other_body)
@@ -187,10 +191,12 @@ def test_cancel_in_prefill_queue(slow, tokenizer: Tokenizer, offline: Callable) 
         await sc.only_others_left([other_body])
         await sc.check_output(other, other_body)
 
-    _run(slow, tokenizer, offline, body)
+    _run(slow, tokenizer, offline_token_ids, body)
 
 
-def test_cancel_during_prefill_compute(slow, tokenizer: Tokenizer, offline: Callable) -> None:
+def test_cancel_during_prefill_compute(
+    slow, tokenizer: Tokenizer, offline_token_ids: Callable
+) -> None:
     async def body(sc: Scenario) -> None:
         target = sc.start(_body(_prompt(tokenizer, 1500, 300), 16))  # 3 chunks
         await sc.until_state(
@@ -205,11 +211,11 @@ def test_cancel_during_prefill_compute(slow, tokenizer: Tokenizer, offline: Call
         await sc.only_others_left([other_body])
         await sc.check_output(other, other_body)
 
-    _run(slow, tokenizer, offline, body)
+    _run(slow, tokenizer, offline_token_ids, body)
 
 
 def test_cancel_while_held_in_interstage_queue(
-    slow, tokenizer: Tokenizer, offline: Callable
+    slow, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     async def body(sc: Scenario) -> None:
         other_body = _body(_prompt(tokenizer, 20, 200), 160)  # holds the one decode slot
@@ -231,10 +237,12 @@ def test_cancel_while_held_in_interstage_queue(
         await sc.only_others_left([other_body])
         await sc.check_output(other, other_body)
 
-    _run(slow, tokenizer, offline, body)
+    _run(slow, tokenizer, offline_token_ids, body)
 
 
-def test_cancel_while_kv_transfer_in_flight(slow, tokenizer: Tokenizer, offline: Callable) -> None:
+def test_cancel_while_kv_transfer_in_flight(
+    slow, tokenizer: Tokenizer, offline_token_ids: Callable
+) -> None:
     async def body(sc: Scenario) -> None:
         target = sc.start(_body(_prompt(tokenizer, 300, 100), 16))
         await sc.until_state(
@@ -250,10 +258,10 @@ def test_cancel_while_kv_transfer_in_flight(slow, tokenizer: Tokenizer, offline:
         other_body = _body(_prompt(tokenizer, 300, 2000), 24)
         await sc.check_output(sc.start(other_body), other_body)
 
-    _run(slow, tokenizer, offline, body)
+    _run(slow, tokenizer, offline_token_ids, body)
 
 
-def test_cancel_while_decoding(slow, tokenizer: Tokenizer, offline: Callable) -> None:
+def test_cancel_while_decoding(slow, tokenizer: Tokenizer, offline_token_ids: Callable) -> None:
     async def body(sc: Scenario) -> None:
         target = sc.start(_body(_prompt(tokenizer, 50, 1500), 1000))
 
@@ -270,4 +278,4 @@ def test_cancel_while_decoding(slow, tokenizer: Tokenizer, offline: Callable) ->
         await sc.only_others_left([other_body])
         await sc.check_output(other, other_body)
 
-    _run(slow, tokenizer, offline, body)
+    _run(slow, tokenizer, offline_token_ids, body)

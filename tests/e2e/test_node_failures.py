@@ -74,9 +74,9 @@ def _body(prompt: str, max_tokens: int) -> dict[str, Any]:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def _expected(tokenizer: Tokenizer, offline: Callable, body: dict[str, Any]) -> str:
+def _expected(tokenizer: Tokenizer, offline_token_ids: Callable, body: dict[str, Any]) -> str:
     sp = SamplingParams(temperature=0.0, max_tokens=body["max_tokens"], ignore_eos=True)
-    return tokenizer.decode(offline(tokenizer.encode(body["prompt"]), sp))
+    return tokenizer.decode(offline_token_ids(tokenizer.encode(body["prompt"]), sp))
 
 
 async def _busy(session: aiohttp.ClientSession, nodes: list[Server], key: str) -> Server:
@@ -130,7 +130,7 @@ def _run(coro_fn: Callable[[aiohttp.ClientSession], Any]) -> None:
 
 
 def test_decode_killed_mid_stream_migrates_to_the_other_decode_node(
-    pools: Pools, tokenizer: Tokenizer, offline: Callable
+    pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     body = _body(_prompt(tokenizer, 60, 100), 160)
 
@@ -142,7 +142,7 @@ def test_decode_killed_mid_stream_migrates_to_the_other_decode_node(
         res = await req.wait(60.0)
         # One uninterrupted stream, token for token what the offline engine produces.
         assert res.error is None and res.done and res.finish_reason == "length", res
-        assert res.text == _expected(tokenizer, offline, body)
+        assert res.text == _expected(tokenizer, offline_token_ids, body)
         migrations = await metric(
             session, pools.migrating.url, "pdserve_proxy_migrations_total", outcome="started"
         )
@@ -155,7 +155,7 @@ def test_decode_killed_mid_stream_migrates_to_the_other_decode_node(
             *(stream_completion(session, pools.migrating.url, b) for b in bodies)
         )
         for b, r in zip(bodies, results, strict=True):
-            assert r.text == _expected(tokenizer, offline, b)
+            assert r.text == _expected(tokenizer, offline_token_ids, b)
         served = await metric(session, new.url, "pdserve_node_requests_total", outcome="admitted")
         assert served >= 1
 
@@ -185,7 +185,7 @@ def test_decode_killed_without_migration_ends_stream_with_error_event(
 
 
 def test_prefill_killed_before_first_token_retries_on_the_other(
-    pools: Pools, tokenizer: Tokenizer, offline: Callable
+    pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     body = _body(_prompt(tokenizer, 1500, 50), 12)  # 3 prefill chunks: >= 0.6 s computing
 
@@ -196,7 +196,7 @@ def test_prefill_killed_before_first_token_retries_on_the_other(
         victim.kill()
         res = await req.wait(60.0)
         assert res.status == 200 and res.error is None and res.done, res
-        assert res.text == _expected(tokenizer, offline, body)
+        assert res.text == _expected(tokenizer, offline_token_ids, body)
         retries = await metric(session, pools.plain.url, "pdserve_proxy_prefill_retries_total")
         assert retries >= 1
         await asyncio.to_thread(pools.cluster.wait_baseline, 10.0)
@@ -252,7 +252,7 @@ def test_lease_expiry_frees_held_blocks_and_fails_a_later_transfer(
 
 
 def test_overload_answers_503_with_retry_after_then_recovers(
-    pools: Pools, tokenizer: Tokenizer, offline: Callable
+    pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     proxy = pools.cluster.start_proxy(
         pools.prefill, pools.decode, max_active_requests=1, edge_queue_capacity=1
@@ -277,9 +277,11 @@ def test_overload_answers_503_with_retry_after_then_recovers(
         assert set(refused.error) >= {"message", "type", "param", "code"}
         for req, body in ((running, running_body), (waiting, waiting_body)):
             res = await req.wait(60.0)
-            assert res.error is None and res.text == _expected(tokenizer, offline, body)
+            assert res.error is None and res.text == _expected(tokenizer, offline_token_ids, body)
         again = await stream_completion(session, proxy.url, waiting_body)  # no restart needed
-        assert again.status == 200 and again.text == _expected(tokenizer, offline, waiting_body)
+        assert again.status == 200 and again.text == _expected(
+            tokenizer, offline_token_ids, waiting_body
+        )
 
     try:
         _run(scenario)
@@ -289,7 +291,7 @@ def test_overload_answers_503_with_retry_after_then_recovers(
 
 
 def test_sigterm_drains_frees_every_block_and_exits_0(
-    pools: Pools, tokenizer: Tokenizer, offline: Callable
+    pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     """A decode node told to stop mid-stream stops admitting, gives its in-flight stream
     the drain timeout (1 s), then cancels it, frees every block and exits 0; the proxy
@@ -308,7 +310,7 @@ def test_sigterm_drains_frees_every_block_and_exits_0(
         last = log[log.rindex("stopped: blocks") :].splitlines()[0]
         assert '"free": 256' in last and '"total": 256' in last, last
         res = await req.wait(60.0)
-        assert res.error is None and res.text == _expected(tokenizer, offline, body)
+        assert res.error is None and res.text == _expected(tokenizer, offline_token_ids, body)
 
         async def marked_down() -> bool:
             return await _node_status(session, pools.migrating, victim.url) == "down"

@@ -58,5 +58,7 @@ def proxy(engine_config: EngineConfig, tiny_tokenizer: Tokenizer) -> Iterator[Pr
 
 
 @pytest.fixture(scope="session")
-def offline(engine_config: EngineConfig) -> OfflineEngine:
+def offline_engine(engine_config: EngineConfig) -> OfflineEngine:
+    """A second engine of the same model, run synchronously: the reference outputs
+    (`offline_engine.generate(ids, sampling)` -> token ids and finish reason)."""
     return OfflineEngine(engine_config)

@@ -59,12 +59,12 @@ async def _full_stream(url: str, body: dict[str, Any]) -> str:
 
 
 def test_disconnect_leaves_other_streams_intact(
-    proxy: ProxyHarness, offline: OfflineEngine
+    proxy: ProxyHarness, offline_engine: OfflineEngine
 ) -> None:
     url = proxy.base_url + "/v1/completions"
     body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True}
     ids = proxy.tokenizer.encode(body["prompt"])
-    want_ids, _ = offline.generate(ids, SamplingParams(temperature=0.0, max_tokens=24))
+    want_ids, _ = offline_engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=24))
 
     async def both() -> str:
         kept = asyncio.ensure_future(_full_stream(url, body))

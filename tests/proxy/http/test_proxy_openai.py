@@ -23,9 +23,11 @@ def client(proxy: ProxyHarness) -> Iterator[OpenAI]:
 
 
 def _greedy(
-    offline: OfflineEngine, ids: list[int], max_tokens: int, **kw: Any
+    offline_engine: OfflineEngine, ids: list[int], max_tokens: int, **kw: Any
 ) -> tuple[list[int], str]:
-    return offline.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw))
+    return offline_engine.generate(
+        ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+    )
 
 
 def _stream_chat(client: OpenAI, **kw: Any) -> tuple[list[Any], str, str | None]:
@@ -43,11 +45,11 @@ def _stream_completion(client: OpenAI, **kw: Any) -> tuple[list[Any], str, str |
 
 
 def test_chat_stream_and_full_match_offline_greedy(
-    client: OpenAI, proxy: ProxyHarness, offline: OfflineEngine
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
 ) -> None:
     messages = [{"role": "user", "content": CHAT_PROMPT}]
     ids = proxy.tokenizer.encode_chat(messages)
-    want_ids, want_reason = _greedy(offline, ids, 24)
+    want_ids, want_reason = _greedy(offline_engine, ids, 24)
     want = proxy.tokenizer.decode(want_ids)
 
     chunks, text, reason = _stream_chat(client, messages=messages, max_tokens=24, temperature=0)
@@ -69,10 +71,10 @@ def test_chat_stream_and_full_match_offline_greedy(
 
 
 def test_completion_stream_and_full_match_offline_greedy(
-    client: OpenAI, proxy: ProxyHarness, offline: OfflineEngine
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
 ) -> None:
     ids = proxy.tokenizer.encode(TEXT_PROMPT)
-    want_ids, _ = _greedy(offline, ids, 20, ignore_eos=True)
+    want_ids, _ = _greedy(offline_engine, ids, 20, ignore_eos=True)
     want = proxy.tokenizer.decode(want_ids)
     kw: dict[str, Any] = dict(prompt=TEXT_PROMPT, max_tokens=20, temperature=0)
     kw["extra_body"] = {"ignore_eos": True}
@@ -145,10 +147,10 @@ def _boundary_stop(proxy: ProxyHarness, ids: list[int]) -> tuple[str, str]:
 
 
 def test_stop_string_across_tokens(
-    client: OpenAI, proxy: ProxyHarness, offline: OfflineEngine
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
 ) -> None:
     ids = proxy.tokenizer.encode(TEXT_PROMPT)
-    want_ids, _ = _greedy(offline, ids, 40, ignore_eos=True)
+    want_ids, _ = _greedy(offline_engine, ids, 40, ignore_eos=True)
     stop, want = _boundary_stop(proxy, want_ids)
     kw: dict[str, Any] = dict(prompt=TEXT_PROMPT, max_tokens=40, temperature=0)
     kw["extra_body"] = {"ignore_eos": True}
@@ -162,10 +164,10 @@ def test_stop_string_across_tokens(
 
 
 def test_partial_stop_at_end_is_flushed(
-    client: OpenAI, proxy: ProxyHarness, offline: OfflineEngine
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
 ) -> None:
     ids = proxy.tokenizer.encode(TEXT_PROMPT)
-    want_ids, _ = _greedy(offline, ids, 12, ignore_eos=True)
+    want_ids, _ = _greedy(offline_engine, ids, 12, ignore_eos=True)
     want = proxy.tokenizer.decode(want_ids)
     stop = want[-2:] + "\x00tail"  # its first two characters end the output; it never completes
     kw: dict[str, Any] = dict(prompt=TEXT_PROMPT, max_tokens=12, temperature=0, stop=stop)
@@ -177,10 +179,10 @@ def test_partial_stop_at_end_is_flushed(
 
 
 def test_stop_token_ids_are_not_rendered(
-    client: OpenAI, proxy: ProxyHarness, offline: OfflineEngine
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
 ) -> None:
     ids = proxy.tokenizer.encode(TEXT_PROMPT)
-    want_ids, _ = _greedy(offline, ids, 16, ignore_eos=True)
+    want_ids, _ = _greedy(offline_engine, ids, 16, ignore_eos=True)
     stop_id = want_ids[5]
     cut = want_ids.index(stop_id)
     out = client.completions.create(
