@@ -24,12 +24,8 @@ def offline_token_ids(tiny_model_dir: Path) -> Callable[[list[int], SamplingPara
     def run(prompt: list[int], sampling: SamplingParams) -> list[int]:
         key = (tuple(prompt), sampling)
         if key not in cache:
-            engine.add_request(f"r{len(cache)}", prompt, sampling)
-            ids: list[int] = []
-            while engine.has_work():
-                for out in engine.step():
-                    ids += out.new_token_ids
-            cache[key] = ids
+            (done,) = engine.generate([prompt], sampling)
+            cache[key] = done.token_ids
         return cache[key]
 
     return run

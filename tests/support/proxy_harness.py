@@ -106,21 +106,12 @@ class ProxyHarness:
 
 
 class OfflineEngine:
-    """The same model stepped synchronously: the reference outputs."""
+    """The same model run synchronously (`LLMEngine.generate`): the reference outputs."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
-        self._n = 0
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], str]:
-        self._n += 1
-        rid = f"offline-{self._n}"
-        self.engine.add_request(rid, prompt_ids, sampling)
-        ids: list[int] = []
-        reason = ""
-        while self.engine.has_work():
-            for out in self.engine.step():
-                ids += out.new_token_ids
-                if out.finish_reason is not None:
-                    reason = out.finish_reason.value
-        return ids, reason
+        """One prompt run alone: its output token ids and finish reason."""
+        (done,) = self.engine.generate([prompt_ids], sampling)
+        return done.token_ids, done.finish_reason.value

@@ -25,13 +25,9 @@ def test_generate_cli_json_matches_engine(tiny_model_dir: Path) -> None:
     out = json.loads(res.stdout)
     tok = Tokenizer.from_dir(tiny_model_dir)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=32))
-    engine.add_request(
-        "r", tok.encode(PROMPT), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    )
-    ids: list[int] = []
-    while engine.has_work():
-        for o in engine.step():
-            ids += o.new_token_ids
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (done,) = engine.generate([tok.encode(PROMPT)], sp)
+    ids = done.token_ids
     assert out == {"token_ids": ids, "text": tok.decode(ids)}
 
 

@@ -31,9 +31,10 @@ def _run(engine: LLMEngine) -> dict[str, list]:
 
 def _colocated(model_dir: Path, prompts: dict[str, list[int]], sp: SamplingParams) -> dict:
     engine = _engine(model_dir)
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, sp)
-    return {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in _run(engine).items()}
+    done = engine.generate(list(prompts.values()), sp)
+    engine.check_integrity()
+    assert engine.state()["blocks"]["free"] == 64
+    return {rid: c.token_ids for rid, c in zip(prompts, done, strict=True)}
 
 
 @pytest.mark.parametrize("seed", [None, 7])

@@ -26,14 +26,9 @@ def test_tiny_model_greedy_matches_transformers(tiny_model_dir: Path) -> None:
     tok = Tokenizer.from_dir(tiny_model_dir)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prompts = {str(i): tok.encode(p) for i, p in enumerate(PROMPTS)}
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, sp)
-    got: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while engine.has_work():
-        for out in engine.step():
-            got[out.request_id] += out.new_token_ids
+    prompts = [tok.encode(p) for p in PROMPTS]
+    done = engine.generate(prompts, sp)  # all three in one batch
     engine.check_integrity()
     assert engine.allocator.counts()["free"] == 64
-    for rid, ids in prompts.items():
-        assert got[rid] == _hf_greedy(tiny_model_dir, ids, 16), rid
+    for text, ids, got in zip(PROMPTS, prompts, done, strict=True):
+        assert got.token_ids == _hf_greedy(tiny_model_dir, ids, 16), text

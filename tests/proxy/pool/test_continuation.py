@@ -20,13 +20,9 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=128))
 
 
-def _run(engine: LLMEngine, rid: str, prompt: list[int], sp: SamplingParams) -> list[int]:
-    engine.add_request(rid, prompt, sp)
-    ids: list[int] = []
-    while engine.has_work():
-        for out in engine.step():
-            ids += out.new_token_ids
-    return ids
+def _run(engine: LLMEngine, prompt: list[int], sp: SamplingParams) -> list[int]:
+    (done,) = engine.generate([prompt], sp)
+    return done.token_ids
 
 
 @pytest.mark.parametrize(
@@ -42,12 +38,12 @@ def test_continuation_after_k_tokens_equals_the_uninterrupted_tail(
     engine: LLMEngine, sampling: SamplingParams, cut: int
 ) -> None:
     prompt = [5, 17, 300, 42, 7, 99, 1000, 3]
-    whole = _run(engine, f"whole-{sampling.seed}-{cut}", prompt, sampling)
+    whole = _run(engine, prompt, sampling)
     assert len(whole) == sampling.max_tokens
     req = GenerationRequest(f"r-{sampling.seed}-{cut}", prompt, sampling)
     cont = continuation(req, whole[:cut], 1)
     assert cont.request_id.startswith(req.request_id) and cont.request_id != req.request_id
     assert cont.prompt_token_ids == prompt + whole[:cut]
     assert cont.sampling.max_tokens == sampling.max_tokens - cut
-    tail = _run(engine, cont.request_id, cont.prompt_token_ids, cont.sampling)
+    tail = _run(engine, cont.prompt_token_ids, cont.sampling)
     assert tail == whole[cut:]
