@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from common.engine.config import EngineConfig
@@ -36,6 +37,7 @@ def _greedy(model_dir: Path, device: torch.device, backend: str) -> list[list[in
     return [c.token_ids for c in done]
 
 
+@pytest.mark.slow
 def test_triton_engine_matches_torch_engine(tiny_model_dir, triton_ops, device):
     want = _greedy(tiny_model_dir, device, "torch")
     assert all(len(t) == 8 for t in want)

@@ -29,6 +29,7 @@ def test_bench_kernels_prints_a_table() -> None:
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_cuda(tmp_path: Path) -> None:
     """Every kernel builds to a cubin for sm_90 (no GPU needed: compile only)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

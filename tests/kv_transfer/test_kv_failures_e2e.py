@@ -29,7 +29,7 @@ from tests.support.kv_agents import (
     terminal,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WAIT = 60.0
 BIG = dict(layers=8, heads=8, dim=64, block_size=16)  # 1 MiB float32 blocks

@@ -20,7 +20,7 @@ from tests.support.kv_agents import (
     terminal,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WAIT = 60.0  # generous bound for any awaited event
 

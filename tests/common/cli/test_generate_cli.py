@@ -13,7 +13,7 @@ from common.text.tokenizer import Tokenizer
 from common.wire.sampling_params import SamplingParams
 from tests.support import procs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROMPT = "Héllo wörld, 你好 🌿"
 

@@ -210,6 +210,7 @@ def test_request_larger_than_kv_pool_is_refused(make_engine):
 
 
 @pytest.mark.parametrize("budget", [1, 7, 16])
+@pytest.mark.slow
 def test_chunked_long_prompt_gives_same_output(make_engine, engine_driver, budget):
     (long_prompt,) = prompts(200, seed=6)
     reference = run_alone(make_engine(), engine_driver, long_prompt, greedy(8))

@@ -72,6 +72,7 @@ def run_all(engine: LLMEngine, driver_cls, prompts, params=GREEDY) -> list[list[
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 def test_greedy_matches_transformers(arch, hf_checkpoint, hf_reference, engine_driver):
     ckpt = hf_checkpoint(arch)
     engine = LLMEngine(EngineConfig(model=str(ckpt.path), num_blocks=64, dtype="float32"))
@@ -169,6 +170,7 @@ def test_missing_tensor_fails_at_start(hf_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_sharded_checkpoint_loads_identically(arch, hf_checkpoint, engine_driver):
     whole = hf_checkpoint(arch)
     sharded = hf_checkpoint(arch, max_shard_size="40KB")

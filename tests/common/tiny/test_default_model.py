@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from common.engine.config import EngineConfig
@@ -22,6 +23,7 @@ def _hf_greedy(model_dir: Path, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+@pytest.mark.slow
 def test_tiny_model_greedy_matches_transformers(tiny_model_dir: Path) -> None:
     tok = Tokenizer.from_dir(tiny_model_dir)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))

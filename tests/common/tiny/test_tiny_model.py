@@ -29,6 +29,7 @@ def digests(d: Path) -> dict[str, str]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_identical_bytes_across_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
     code = "import sys; from common.tiny.model import make_tiny_model; make_tiny_model(sys.argv[1])"
     runs: list[procs.Proc] = []
