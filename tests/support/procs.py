@@ -120,6 +120,20 @@ class Proc:
         self.popen.wait(10)
 
 
+def _popen(
+    argv: list[str], log_path: Path, mode: str, env: dict[str, str], death_signal: int
+) -> subprocess.Popen[bytes]:
+    with open(log_path, mode) as log:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            preexec_fn=_death_signal(death_signal),
+        )
+
+
 def spawn(
     name: str,
     argv: list[str],
@@ -137,15 +151,7 @@ def spawn(
     test's thread, never from a worker thread."""
     full_env = child_env() if env is None else dict(env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        popen = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=full_env,
-            preexec_fn=_death_signal(death_signal),
-        )
+    popen = _popen(argv, log_path, "wb", full_env, death_signal)
     proc = cls(
         name=name,
         argv=list(argv),
@@ -163,15 +169,7 @@ def respawn(proc: P) -> P:
     """`proc`'s command again, with its environment and log (appended), once it exited."""
     if proc.alive():
         raise RuntimeError(f"{proc.name} (pid {proc.pid}) is still running")
-    with open(proc.log_path, "ab") as log:
-        popen = subprocess.Popen(
-            proc.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=proc.env,
-            preexec_fn=_death_signal(proc.death_signal),
-        )
+    popen = _popen(proc.argv, proc.log_path, "ab", proc.env, proc.death_signal)
     new = type(proc)(**{**proc.__dict__, "popen": popen})
     _started.append(new)
     return new
