@@ -195,14 +195,15 @@ def reference_texts(model_dir: str, outcomes: list[Outcome]) -> dict[int, str]:
     engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=2048))
 
     def generate(batch: list[Outcome]) -> dict[int, str]:
-        ids: dict[int, list[int]] = {o.job.index: [] for o in batch}
-        for o in batch:
-            sp = SamplingParams(temperature=0.0, max_tokens=o.job.max_tokens, ignore_eos=True)
-            engine.add_request(str(o.job.index), tokenizer.encode(o.job.prompt), sp)
-        while engine.has_work():
-            for step in engine.step():
-                ids[int(step.request_id)] += step.new_token_ids
-        return {i: tokenizer.decode(t) for i, t in ids.items()}
+        prompts = [tokenizer.encode(o.job.prompt) for o in batch]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=o.job.max_tokens, ignore_eos=True)
+            for o in batch
+        ]
+        done = engine.generate(prompts, params)
+        return {
+            o.job.index: tokenizer.decode(c.token_ids) for o, c in zip(batch, done, strict=True)
+        }
 
     texts = generate(outcomes)
     for o in outcomes:

@@ -1,17 +1,91 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the guard that keeps the fast tier free of processes.
+
+Tiers: `pytest -m "not e2e"` is the fast tier (in-process only); `pytest` runs everything.
+A test that starts a process (a node, a proxy, a CLI command, a script) is marked `e2e`;
+any other test that tries to start one fails at once (see `_processes_only_in_e2e_tests`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import asyncio
+import asyncio.subprocess
+import multiprocessing.process
+import os
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from common.text.tokenizer import Tokenizer
 from common.tiny.model import make_tiny_model
+from tests.support import procs
+
+# -- the fast tier starts no process -----------------------------------------------------------
+
+
+class ProcessInFastTest(RuntimeError):
+    """A test not marked e2e tried to start a process."""
+
+
+# Every way to start a process that a test, a fixture or the code under test might take.
+# Popen.__init__ also covers subprocess.run/check_output and asyncio's subprocess transports.
+_SPAWNERS: list[tuple[object, str]] = [
+    (subprocess.Popen, "__init__"),
+    (asyncio, "create_subprocess_exec"),
+    (asyncio, "create_subprocess_shell"),
+    (asyncio.subprocess, "create_subprocess_exec"),
+    (asyncio.subprocess, "create_subprocess_shell"),
+    (multiprocessing.process.BaseProcess, "start"),
+    (os, "fork"),
+    (os, "forkpty"),
+    (os, "posix_spawn"),
+    (os, "posix_spawnp"),
+    (os, "system"),
+]
+
+
+def _current_test() -> str | None:
+    """The node id of the test pytest is setting up, running or tearing down (any fixture
+    scope), from the PYTEST_CURRENT_TEST variable pytest maintains; None between tests."""
+    current = os.environ.get("PYTEST_CURRENT_TEST")
+    return current.rsplit(" (", 1)[0] if current else None
+
+
+def _guarded(owner: object, name: str, fast: frozenset[str]) -> Callable[..., Any]:
+    original = getattr(owner, name)
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        test = _current_test()
+        if test in fast:
+            where = f"{getattr(owner, '__name__', owner)}.{name}"
+            shown = [a for a in args if not isinstance(a, subprocess.Popen)][:1]
+            raise ProcessInFastTest(
+                f"{test} is not marked e2e but tried to start a process ({where}"
+                f"{'(' + repr(shown[0])[:200] + ', ...)' if shown else ''}). Mark it "
+                "@pytest.mark.e2e (and slow if it takes long), or keep it in-process."
+            )
+        return original(*args, **kwargs)
+
+    return guarded
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _processes_only_in_e2e_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For every test not marked e2e, starting a process raises ProcessInFastTest.
+
+    Installed once for the session, so it also covers the fixtures a test sets up, of any
+    scope; each call checks which test pytest is on. At the end, any process a test
+    spawned through tests.support.procs and left running is killed and reported."""
+    fast = frozenset(i.nodeid for i in request.session.items if not i.get_closest_marker("e2e"))
+    with pytest.MonkeyPatch.context() as mp:
+        for owner, name in _SPAWNERS:
+            if hasattr(owner, name):
+                mp.setattr(owner, name, _guarded(owner, name, fast))
+        yield
+    leaked = procs.reap_all()
+    assert not leaked, f"processes left running by tests, killed at session end: {leaked}"
 
 
 @pytest.fixture(scope="session")
@@ -26,102 +100,7 @@ def tiny_tokenizer(tiny_model_dir: Path) -> Tokenizer:
     return Tokenizer.from_dir(tiny_model_dir)
 
 
-# -- tiny random transformers checkpoints and an engine driver -----------------
-# (used by test_engine_hf, test_engine_scheduling, test_sampling)
-
-# Small, well-conditioned random models: initializer_range 0.1 keeps the logits
-# of different tokens far apart, so float32 greedy decoding is reproducible
-# across implementations.
-_HF_COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-)
-_HF_ARCHS: dict[str, tuple[str, dict]] = {
-    # Untied, Llama-3 RoPE scaling (the scaled band matters at these head dims
-    # and context lengths), non-default rope_theta, full multi-head attention.
-    "llama": (
-        "LlamaForCausalLM",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            rope_theta=50000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            tie_word_embeddings=False,
-        ),
-    ),
-    # q/k/v bias (made nonzero below), tied embeddings.
-    "qwen2": (
-        "Qwen2ForCausalLM",
-        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    ),
-    # Grouped-query attention: 8 query heads share 2 KV heads.
-    "mistral": (
-        "MistralForCausalLM",
-        dict(
-            hidden_size=128,
-            intermediate_size=256,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        ),
-    ),
-}
-
-
-@dataclass(frozen=True)
-class HFCheckpoint:
-    path: Path
-    model: Any  # the transformers model (float32, eval mode) the checkpoint holds
-
-
-def _random_hf_model(arch: str) -> Any:
-    import transformers
-
-    cls_name, overrides = _HF_ARCHS[arch]
-    cls = getattr(transformers, cls_name)
-    config = cls.config_class(**{**_HF_COMMON, **overrides})
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = cls(config).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(".bias"):  # HF initializes biases to zero
-                    p.normal_(0.0, 0.5)
-    return model
-
-
-@pytest.fixture(scope="session")
-def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., HFCheckpoint]:
-    """Factory: `hf_checkpoint(arch, max_shard_size=None)` saves a random checkpoint.
-
-    arch is "llama", "qwen2" or "mistral"; results are cached for the session, and
-    the same arch always holds the same weights (sharded or not). Read-only.
-    """
-    models: dict[str, Any] = {}
-    saved: dict[tuple[str, str | None], HFCheckpoint] = {}
-
-    def build(arch: str, max_shard_size: str | None = None) -> HFCheckpoint:
-        key = (arch, max_shard_size)
-        if key not in saved:
-            if arch not in models:
-                models[arch] = _random_hf_model(arch)
-            path = tmp_path_factory.mktemp(f"hf-{arch}")
-            kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-            models[arch].save_pretrained(path, **kwargs)
-            saved[key] = HFCheckpoint(path, models[arch])
-        return saved[key]
-
-    return build
+# -- an engine driver (used by the engine and model tests) ------------------------
 
 
 class EngineDriver:

@@ -11,41 +11,21 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.text.tokenizer import Tokenizer
 from common.wire.sampling_params import SamplingParams
-from tests.e2e.cluster import Cluster
-
-Topology = tuple[int, int, int]  # prefill, decode, colocated nodes
-
-
-def start_cluster(model_dir: Path, topology: Topology, **engine: object) -> Cluster:
-    cluster = Cluster(model_dir, **engine)
-    try:
-        n_p, n_d, n_c = topology
-        prefill = [cluster.node("prefill", f"prefill-{i}", wait=False) for i in range(n_p)]
-        decode = [cluster.node("decode", f"decode-{i}", wait=False) for i in range(n_d)]
-        both = [cluster.node("both", f"both-{i}", wait=False) for i in range(n_c)]
-        cluster.wait_all()
-        cluster.start_proxy(prefill=prefill, decode=decode, colocated=both)
-    except BaseException:
-        cluster.close()
-        raise
-    return cluster
+from tests.support.cluster import Cluster, Topology, start_cluster
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_model_dir: Path) -> Callable[[list[int], SamplingParams], list[int]]:
-    """The offline engine's output ids for a prompt, one request at a time (cached)."""
+def offline_token_ids(tiny_model_dir: Path) -> Callable[[list[int], SamplingParams], list[int]]:
+    """`offline_token_ids(prompt_ids, sampling)`: the offline engine's output token ids for
+    one prompt run alone (cached per prompt and sampling), to compare served text with."""
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=256))
     cache: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}
 
     def run(prompt: list[int], sampling: SamplingParams) -> list[int]:
         key = (tuple(prompt), sampling)
         if key not in cache:
-            engine.add_request(f"r{len(cache)}", prompt, sampling)
-            ids: list[int] = []
-            while engine.has_work():
-                for out in engine.step():
-                    ids += out.new_token_ids
-            cache[key] = ids
+            (done,) = engine.generate([prompt], sampling)
+            cache[key] = done.token_ids
         return cache[key]
 
     return run

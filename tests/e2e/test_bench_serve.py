@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,11 @@ from typing import Any
 import pytest
 
 from proxy.bench.main import main
-from tests.e2e.cluster import Service, http_json
+from tests.support import procs
+from tests.support.cluster import Service
+from tests.support.http import http_json
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 REQUIRED = (
@@ -37,8 +40,8 @@ def cluster(tiny_model_dir: Path) -> Iterator[Service]:
 
 
 def _bench(cluster: Service, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "common.cli", "bench-serve", "--base-url", cluster.url]
-    return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120, check=False)
+    argv = procs.module("common.cli", "bench-serve", "--base-url", cluster.url, *args)
+    return procs.run(argv, timeout=120)
 
 
 def _check_plausible(doc: dict[str, Any], requests: int, output_len: int) -> None:

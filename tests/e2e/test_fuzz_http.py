@@ -21,8 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.cluster import Cluster, http_json
-from tests.e2e.conftest import start_cluster
+from tests.support.cluster import Cluster, start_cluster
+from tests.support.http import http_json
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MAX_LEN = 2048  # the default model's context
 VOCAB = 2816

@@ -23,19 +23,21 @@ import pytest
 from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
 from common.wire.sampling_params import SamplingParams
-from tests.e2e.aclient import Request, get_json, metric, stream_completion, until
-from tests.e2e.cluster import Cluster, Proc
+from tests.support.aclient import Request, get_json, metric, stream_completion, until
+from tests.support.cluster import Cluster, Server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 class Pools:
-    def __init__(self, cluster: Cluster, migrating: Proc, plain: Proc) -> None:
+    def __init__(self, cluster: Cluster, migrating: Server, plain: Server) -> None:
         self.cluster = cluster
         self.migrating = migrating  # proxy with --migrate-limit 1 (the default)
         self.plain = plain  # proxy with --migrate-limit 0
         self.prefill = [p for p in cluster.nodes() if p.name.startswith("prefill")]
         self.decode = [p for p in cluster.nodes() if p.name.startswith("decode")]
 
-    def replace(self, old: Proc, new: Proc) -> None:
+    def replace(self, old: Server, new: Server) -> None:
         for pool in (self.prefill, self.decode):
             if old in pool:
                 pool[pool.index(old)] = new
@@ -72,14 +74,14 @@ def _body(prompt: str, max_tokens: int) -> dict[str, Any]:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def _expected(tokenizer: Tokenizer, offline: Callable, body: dict[str, Any]) -> str:
+def _expected(tokenizer: Tokenizer, offline_token_ids: Callable, body: dict[str, Any]) -> str:
     sp = SamplingParams(temperature=0.0, max_tokens=body["max_tokens"], ignore_eos=True)
-    return tokenizer.decode(offline(tokenizer.encode(body["prompt"]), sp))
+    return tokenizer.decode(offline_token_ids(tokenizer.encode(body["prompt"]), sp))
 
 
-async def _busy(session: aiohttp.ClientSession, nodes: list[Proc], key: str) -> Proc:
+async def _busy(session: aiohttp.ClientSession, nodes: list[Server], key: str) -> Server:
     """The node of `nodes` whose /state shows a request under `key` (running, held...)."""
-    found: list[Proc] = []
+    found: list[Server] = []
 
     async def one() -> bool:
         for node in nodes:
@@ -93,12 +95,12 @@ async def _busy(session: aiohttp.ClientSession, nodes: list[Proc], key: str) -> 
     return found[0]
 
 
-async def _node_status(session: aiohttp.ClientSession, proxy: Proc, url: str) -> str:
+async def _node_status(session: aiohttp.ClientSession, proxy: Server, url: str) -> str:
     listed = await get_json(session, f"{proxy.url}/admin/nodes")
     return next(n["status"] for n in listed["nodes"] if n["url"] == url)
 
 
-async def _rejoin(pools: Pools, session: aiohttp.ClientSession, dead: Proc) -> Proc:
+async def _rejoin(pools: Pools, session: aiohttp.ClientSession, dead: Server) -> Server:
     """Restart `dead` on its URL; every proxy marks it up again without any manual step."""
     for proxy in (pools.migrating, pools.plain):
         await until(
@@ -112,7 +114,7 @@ async def _rejoin(pools: Pools, session: aiohttp.ClientSession, dead: Proc) -> P
     pools.replace(dead, new)
     for proxy in (pools.migrating, pools.plain):
 
-        async def up(proxy: Proc = proxy) -> bool:
+        async def up(proxy: Server = proxy) -> bool:
             return await _node_status(session, proxy, new.url) == "up"
 
         await until(up, 10.0, f"{proxy.name} taking {new.name} back")
@@ -128,7 +130,7 @@ def _run(coro_fn: Callable[[aiohttp.ClientSession], Any]) -> None:
 
 
 def test_decode_killed_mid_stream_migrates_to_the_other_decode_node(
-    pools: Pools, tokenizer: Tokenizer, offline: Callable
+    pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     body = _body(_prompt(tokenizer, 60, 100), 160)
 
@@ -140,7 +142,7 @@ def test_decode_killed_mid_stream_migrates_to_the_other_decode_node(
         res = await req.wait(60.0)
         # One uninterrupted stream, token for token what the offline engine produces.
         assert res.error is None and res.done and res.finish_reason == "length", res
-        assert res.text == _expected(tokenizer, offline, body)
+        assert res.text == _expected(tokenizer, offline_token_ids, body)
         migrations = await metric(
             session, pools.migrating.url, "pdserve_proxy_migrations_total", outcome="started"
         )
@@ -153,7 +155,7 @@ def test_decode_killed_mid_stream_migrates_to_the_other_decode_node(
             *(stream_completion(session, pools.migrating.url, b) for b in bodies)
         )
         for b, r in zip(bodies, results, strict=True):
-            assert r.text == _expected(tokenizer, offline, b)
+            assert r.text == _expected(tokenizer, offline_token_ids, b)
         served = await metric(session, new.url, "pdserve_node_requests_total", outcome="admitted")
         assert served >= 1
 
@@ -183,7 +185,7 @@ def test_decode_killed_without_migration_ends_stream_with_error_event(
 
 
 def test_prefill_killed_before_first_token_retries_on_the_other(
-    pools: Pools, tokenizer: Tokenizer, offline: Callable
+    pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     body = _body(_prompt(tokenizer, 1500, 50), 12)  # 3 prefill chunks: >= 0.6 s computing
 
@@ -194,7 +196,7 @@ def test_prefill_killed_before_first_token_retries_on_the_other(
         victim.kill()
         res = await req.wait(60.0)
         assert res.status == 200 and res.error is None and res.done, res
-        assert res.text == _expected(tokenizer, offline, body)
+        assert res.text == _expected(tokenizer, offline_token_ids, body)
         retries = await metric(session, pools.plain.url, "pdserve_proxy_prefill_retries_total")
         assert retries >= 1
         await asyncio.to_thread(pools.cluster.wait_baseline, 10.0)
@@ -250,7 +252,7 @@ def test_lease_expiry_frees_held_blocks_and_fails_a_later_transfer(
 
 
 def test_overload_answers_503_with_retry_after_then_recovers(
-    pools: Pools, tokenizer: Tokenizer, offline: Callable
+    pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     proxy = pools.cluster.start_proxy(
         pools.prefill, pools.decode, max_active_requests=1, edge_queue_capacity=1
@@ -275,9 +277,11 @@ def test_overload_answers_503_with_retry_after_then_recovers(
         assert set(refused.error) >= {"message", "type", "param", "code"}
         for req, body in ((running, running_body), (waiting, waiting_body)):
             res = await req.wait(60.0)
-            assert res.error is None and res.text == _expected(tokenizer, offline, body)
+            assert res.error is None and res.text == _expected(tokenizer, offline_token_ids, body)
         again = await stream_completion(session, proxy.url, waiting_body)  # no restart needed
-        assert again.status == 200 and again.text == _expected(tokenizer, offline, waiting_body)
+        assert again.status == 200 and again.text == _expected(
+            tokenizer, offline_token_ids, waiting_body
+        )
 
     try:
         _run(scenario)
@@ -287,7 +291,7 @@ def test_overload_answers_503_with_retry_after_then_recovers(
 
 
 def test_sigterm_drains_frees_every_block_and_exits_0(
-    pools: Pools, tokenizer: Tokenizer, offline: Callable
+    pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     """A decode node told to stop mid-stream stops admitting, gives its in-flight stream
     the drain timeout (1 s), then cancels it, frees every block and exits 0; the proxy
@@ -298,15 +302,15 @@ def test_sigterm_drains_frees_every_block_and_exits_0(
         req = Request(session, pools.migrating.url, body)
         await until(lambda: _true(req.result.events >= 5), 60.0, "five streamed tokens")
         victim = await _busy(session, pools.decode, "running")
-        victim.popen.send_signal(signal.SIGTERM)
-        code = await asyncio.to_thread(victim.popen.wait, 30)
+        victim.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(victim.wait, 30)
         assert code == 0
         log = victim.log_path.read_text()
         assert "stopped: blocks" in log
         last = log[log.rindex("stopped: blocks") :].splitlines()[0]
         assert '"free": 256' in last and '"total": 256' in last, last
         res = await req.wait(60.0)
-        assert res.error is None and res.text == _expected(tokenizer, offline, body)
+        assert res.error is None and res.text == _expected(tokenizer, offline_token_ids, body)
 
         async def marked_down() -> bool:
             return await _node_status(session, pools.migrating, victim.url) == "down"
@@ -343,6 +347,6 @@ async def _true(value: bool) -> bool:
 
 
 async def _node_status_is(
-    session: aiohttp.ClientSession, proxy: Proc, url: str, status: str
+    session: aiohttp.ClientSession, proxy: Server, url: str, status: str
 ) -> bool:
     return await _node_status(session, proxy, url) == status

@@ -17,9 +17,12 @@ import pytest
 
 from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
-from tests.e2e.aclient import Request, sample_sum, stream_completion, until
-from tests.e2e.cluster import Cluster, http_json
-from tests.e2e.conftest import start_cluster
+from tests.support.aclient import Request, sample_sum, stream_completion, until
+from tests.support.cluster import Cluster, start_cluster
+from tests.support.http import http_json
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
 
 # Causal order of a disaggregated request's boundaries, with the owner of each.
 DISAGG_ROWS = [

@@ -15,8 +15,10 @@ import pytest
 from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
 from common.wire.sampling_params import SamplingParams
-from tests.e2e.cluster import Cluster, http_json
-from tests.e2e.conftest import start_cluster
+from tests.support.cluster import Cluster, start_cluster
+from tests.support.http import http_json
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TOPOLOGIES = {"1p1d": (1, 1, 0), "2p2d": (2, 2, 0), "colocated": (0, 0, 1)}
 
@@ -40,14 +42,14 @@ def _model(client: openai.OpenAI) -> str:
 
 
 def test_openai_client_streams_chat_and_completion_equal_to_offline(
-    cluster: Cluster, tokenizer: Tokenizer, offline: Callable
+    cluster: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     client = _client(cluster)
     model = _model(client)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     messages = [{"role": "user", "content": "Tell me about the quick brown fox."}]
-    want = offline(tokenizer.encode_chat(messages), sp)
+    want = offline_token_ids(tokenizer.encode_chat(messages), sp)
     stream = client.chat.completions.create(
         model=model,
         messages=messages,
@@ -67,7 +69,7 @@ def test_openai_client_streams_chat_and_completion_equal_to_offline(
     assert usage is not None and usage.completion_tokens == len(want)
 
     prompt = "Héllo wörld, 你好! Once upon a time"
-    want = offline(tokenizer.encode(prompt), sp)
+    want = offline_token_ids(tokenizer.encode(prompt), sp)
     stream = client.completions.create(
         model=model,
         prompt=prompt,
@@ -86,7 +88,7 @@ def test_openai_client_streams_chat_and_completion_equal_to_offline(
 
 
 def test_concurrent_mixed_requests_match_offline_and_free_every_block(
-    cluster: Cluster, tokenizer: Tokenizer, offline: Callable
+    cluster: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     assert cluster.proxy is not None
     # Text prompts (slices of the tokenizer's corpus), so that no prompt ends inside
@@ -122,14 +124,14 @@ def test_concurrent_mixed_requests_match_offline_and_free_every_block(
     results = asyncio.run(all_jobs())
     for (prompt, n, _), (text, reason) in zip(jobs, results, strict=True):
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        want = offline(tokenizer.encode(prompt), sp)
+        want = offline_token_ids(tokenizer.encode(prompt), sp)
         assert text == tokenizer.decode(want)
         assert reason == "length"
     cluster.wait_baseline()
 
 
 def test_full_decode_pool_queues_then_completes(
-    cluster_factory: Callable[..., Cluster], tokenizer: Tokenizer, offline: Callable
+    cluster_factory: Callable[..., Cluster], tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     cluster = cluster_factory((1, 1, 0), max_num_seqs=2)
     assert cluster.proxy is not None
@@ -157,7 +159,7 @@ def test_full_decode_pool_queues_then_completes(
 
     texts, peak = asyncio.run(run())
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    assert texts == [tokenizer.decode(offline(p, sp)) for p in prompts]
+    assert texts == [tokenizer.decode(offline_token_ids(p, sp)) for p in prompts]
     waits = _metric(cluster.proxy.url, "pdserve_interstage_wait_seconds_count")
     assert waits >= len(prompts)
     assert peak >= 1, "no request ever waited in the inter-stage queue"

@@ -4,13 +4,14 @@ then every node at baseline, every completed output equal to offline, no errors.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.e2e.conftest import start_cluster
+import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import procs
+from tests.support.cluster import start_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_soak_with_random_disconnects_leaves_nothing_behind(
@@ -20,11 +21,11 @@ def test_soak_with_random_disconnects_leaves_nothing_behind(
     try:
         assert cluster.proxy is not None
         out = tmp_path / "soak.json"
-        argv = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--base-url", cluster.proxy.url]
+        argv = procs.python("scripts/soak.py", "--base-url", cluster.proxy.url)
         argv += ["--model", str(tiny_model_dir), "--requests", "60", "--concurrency", "12"]
         argv += ["--disconnect-prob", "0.4", "--max-drop-s", "0.8", "--max-tokens", "32"]
         argv += ["--seed", "7", "--json", str(out), "--no-progress"]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        proc = procs.run(argv, timeout=600)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         summary = json.loads(out.read_text())
         assert summary["ok"] and all(summary["checks"].values()), summary

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +13,7 @@ from common.cli.main import build_parser
 from common.engine.config import EngineConfig
 from kernels import dispatch
 from kernels.dispatch import TORCH, KernelBackendError, kernels_for
+from tests.support import procs
 
 
 @pytest.fixture(autouse=True)
@@ -83,6 +82,7 @@ def test_broken_triton_falls_back_under_auto_only(monkeypatch):
         kernels_for("cuda", "triton")
 
 
+@pytest.mark.e2e
 def test_importing_the_engine_does_not_import_triton():
     """A machine with a broken triton still runs the torch path."""
     code = (
@@ -91,7 +91,7 @@ def test_importing_the_engine_does_not_import_triton():
         "assert not any(m.startswith('kernels.triton') for m in sys.modules)\n"
         "assert pre or 'triton' not in sys.modules\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    procs.run(procs.python("-c", code), timeout=120, check=True)
 
 
 def test_engine_config_and_cli_carry_the_backend():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from common.engine.config import EngineConfig
@@ -30,17 +31,13 @@ def _greedy(model_dir: Path, device: torch.device, backend: str) -> list[list[in
     engine = LLMEngine(config)
     assert engine.kernels.name == backend
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for rid, ids in PROMPTS.items():
-        engine.add_request(rid, ids, sp)
-    got: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
-    while engine.has_work():
-        for out in engine.step():
-            got[out.request_id] += out.new_token_ids
+    done = engine.generate(list(PROMPTS.values()), sp)  # both in flight at once
     engine.check_integrity()
     assert engine.allocator.counts()["free"] == 16
-    return [got[rid] for rid in PROMPTS]
+    return [c.token_ids for c in done]
 
 
+@pytest.mark.slow
 def test_triton_engine_matches_torch_engine(tiny_model_dir, triton_ops, device):
     want = _greedy(tiny_model_dir, device, "torch")
     assert all(len(t) == 8 for t in want)

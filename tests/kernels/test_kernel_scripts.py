@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import procs
+
+pytestmark = pytest.mark.e2e
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return procs.run(procs.python(*args), env=procs.child_env(env), timeout=timeout)
 
 
 def test_bench_kernels_prints_a_table() -> None:
@@ -30,6 +29,7 @@ def test_bench_kernels_prints_a_table() -> None:
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_cuda(tmp_path: Path) -> None:
     """Every kernel builds to a cubin for sm_90 (no GPU needed: compile only)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

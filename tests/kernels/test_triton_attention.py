@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_cases import NUM_KV_HEADS, TOL, block_tables, make_cache, randn
 
 from kernels import reference
+from tests.kernels.kv_cases import NUM_KV_HEADS, TOL, block_tables, make_cache, randn
 
 BLOCK_SIZES = (8, 16, 32)
 HEAD_DIMS = (64, 128)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_cases import NUM_KV_HEADS, make_cache, randn
 
 from kernels import reference
+from tests.kernels.kv_cases import NUM_KV_HEADS, make_cache, randn
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)

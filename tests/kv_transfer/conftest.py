@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kvt_harness import NodeProc, start_nodes
 
 from kv_transfer.config import BACKENDS
+from tests.support.kv_agents import AgentNode, start_nodes
 
 
 @dataclass
 class Trio:
     backend: str
-    prefill: NodeProc
-    decode1: NodeProc
-    decode2: NodeProc
+    prefill: AgentNode
+    decode1: AgentNode
+    decode2: AgentNode
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
@@ -48,7 +48,7 @@ def trio(backend: str, log_dir: Path) -> Iterator[Trio]:
 
 
 @pytest.fixture
-def victim(backend: str, log_dir: Path) -> Iterator[NodeProc]:
+def victim(backend: str, log_dir: Path) -> Iterator[AgentNode]:
     """A fresh process the test may SIGKILL."""
     (node,) = start_nodes([f"{backend}-victim-{uuid.uuid4().hex[:6]}"], log_dir)
     try:

@@ -15,7 +15,10 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from kvt_harness import (
+
+from common.wire.messages import TransferRequest, encode
+from tests.support.kv_agent_node import pattern
+from tests.support.kv_agents import (
     CacheSpec,
     NodeError,
     collect,
@@ -25,9 +28,8 @@ from kvt_harness import (
     start_pair,
     terminal,
 )
-from node_proc import pattern
 
-from common.wire.messages import TransferRequest, encode
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WAIT = 60.0
 BIG = dict(layers=8, heads=8, dim=64, block_size=16)  # 1 MiB float32 blocks

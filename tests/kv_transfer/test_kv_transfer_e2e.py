@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvt_harness import (
+
+from tests.support.kv_agent_node import pattern
+from tests.support.kv_agents import (
+    AgentNode,
     CacheSpec,
-    NodeProc,
     collect,
     count_terminal,
     messages,
     start_pair,
     terminal,
 )
-from node_proc import pattern
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WAIT = 60.0  # generous bound for any awaited event
 
@@ -31,12 +34,12 @@ def expected(seed: int, ids: list[int], block_bytes: int) -> np.ndarray:
     return np.stack([pattern(seed, b, block_bytes) for b in ids])
 
 
-def read(node: NodeProc, ids: list[int], block_bytes: int) -> np.ndarray:
+def read(node: AgentNode, ids: list[int], block_bytes: int) -> np.ndarray:
     raw = node.call("read", ids=ids)
     return np.frombuffer(raw, dtype=np.uint8).reshape(len(ids), block_bytes)  # type: ignore[arg-type]
 
 
-def transfer_requests(prefill: NodeProc, n: int) -> dict[str, dict]:
+def transfer_requests(prefill: AgentNode, n: int) -> dict[str, dict]:
     """Wait for n TransferRequests at prefill; rid -> {peer, dst}."""
     events = collect(prefill, lambda ev: len(messages(ev, "transfer_request")) >= n, WAIT)
     reqs = messages(events, "transfer_request")

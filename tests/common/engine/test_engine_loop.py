@@ -1,0 +1,45 @@
+"""`AsyncEngine`: the engine on its own thread, streamed to asyncio consumers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.loop import AsyncEngine
+from common.wire.sampling_params import SamplingParams
+
+
+def test_async_engine_streams_and_aborts(tiny_model_dir: Path) -> None:
+    async def run() -> None:
+        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
+        front = AsyncEngine(engine, asyncio.get_running_loop())
+        await front.start()
+        try:
+            sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+            async def collect(rid: str) -> list[int]:
+                ids: list[int] = []
+                async for out in front.generate(rid, [5, 6, 7, 8], sp):
+                    ids += out.new_token_ids
+                return ids
+
+            a, b = await asyncio.gather(collect("a"), collect("b"))
+            assert a == b and len(a) == 10
+
+            # A consumer that stops early aborts its request; blocks come back.
+            long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            gen = front.generate("c", [5, 6, 7], long)
+            await gen.__anext__()
+            await gen.aclose()
+            for _ in range(200):
+                if engine.state()["blocks"]["free"] == 64 and not engine.has_work():
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.state()["blocks"]["free"] == 64
+        finally:
+            await front.stop()
+        engine.check_integrity()
+
+    asyncio.run(run())

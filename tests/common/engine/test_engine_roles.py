@@ -1,0 +1,103 @@
+"""The engine's role hooks: a prefill engine holds prompt KV, a decode engine continues it.
+
+The KV moves between the two engines' caches by a plain tensor copy here; the
+transfer layer that does it across processes is tested in tests/kv_transfer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.engine.block_allocator import BlockState
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.wire.sampling_params import SamplingParams
+
+
+def _engine(model_dir: Path, num_blocks: int = 64) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), num_blocks=num_blocks, block_size=8))
+
+
+def _run(engine: LLMEngine) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        engine.check_integrity()
+    return outs
+
+
+def _colocated(model_dir: Path, prompts: dict[str, list[int]], sp: SamplingParams) -> dict:
+    engine = _engine(model_dir)
+    done = engine.generate(list(prompts.values()), sp)
+    engine.check_integrity()
+    assert engine.state()["blocks"]["free"] == 64
+    return {rid: c.token_ids for rid, c in zip(prompts, done, strict=True)}
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_prefill_hold_then_decode_elsewhere_matches_colocated(
+    tiny_model_dir: Path, seed: int | None
+) -> None:
+    temp = 0.0 if seed is None else 0.9
+    sp = SamplingParams(temperature=temp, seed=seed, max_tokens=12, ignore_eos=True)
+    prompts = {"a": list(range(5, 30)), "b": [9, 8, 7], "c": list(range(100, 117))}
+    want = _colocated(tiny_model_dir, prompts, sp)
+
+    prefill, decode = _engine(tiny_model_dir), _engine(tiny_model_dir)
+    for rid, ids in prompts.items():
+        prefill.add_request(rid, ids, sp, hold_kv=True)
+    firsts = {rid: outs[-1] for rid, outs in _run(prefill).items()}
+    assert prefill.state()["blocks"]["held"] == sum(len(o.held_blocks) for o in firsts.values())
+    for rid, out in firsts.items():
+        assert out.finished and out.finish_reason is None and len(out.new_token_ids) == 1
+        dst = decode.reserve(rid, len(prompts[rid]))
+        assert dst is not None and len(dst) == len(out.held_blocks)
+        assert all(decode.allocator.state(b) is BlockState.RESERVED for b in dst)
+        decode.kv_cache[dst] = prefill.kv_cache[out.held_blocks]  # the "transfer"
+        prefill.release_held(rid)
+        decode.admit_prefilled(rid, prompts[rid], out.new_token_ids[0], sp)
+    got = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in _run(decode).items()}
+    _run(prefill)  # applies the releases
+    for rid in prompts:
+        assert [*firsts[rid].new_token_ids, *got[rid]] == want[rid], rid
+    for engine in (prefill, decode):
+        engine.check_integrity()
+        assert engine.state()["blocks"]["free"] == 64
+
+
+def test_prefill_that_finishes_at_first_token_holds_nothing(tiny_model_dir: Path) -> None:
+    prefill = _engine(tiny_model_dir)
+    prefill.add_request("x", [5, 6, 7], SamplingParams(max_tokens=1), hold_kv=True)
+    (out,) = _run(prefill)["x"]
+    assert out.finished and out.finish_reason is not None and out.held_blocks is None
+    assert prefill.state()["blocks"]["free"] == 64
+
+
+def test_reservation_refused_when_full_and_freed_on_cancel(tiny_model_dir: Path) -> None:
+    decode = _engine(tiny_model_dir, num_blocks=8)
+    assert decode.reserve("big", 8 * 8) is None  # would eat the watermark
+    blocks = decode.reserve("r", 20)
+    assert blocks is not None and len(blocks) == 3
+    assert decode.reserve("r", 20) is None  # one reservation per request
+    assert decode.state()["blocks"]["reserved"] == 3
+    decode.check_integrity()
+    decode.free_reserved("r")
+    decode.free_reserved("r")  # idempotent
+    decode.check_integrity()
+    assert decode.state()["blocks"]["free"] == 8
+
+
+def test_double_abort_in_one_step_is_harmless(tiny_model_dir: Path) -> None:
+    # The proxy's cancel and the stream's close both abort: same step, same id.
+    engine = _engine(tiny_model_dir)
+    engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request("x")
+    engine.abort_request("x")
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason.value) for o in outs] == [("x", "abort")]
+    engine.check_integrity()
+    assert engine.state()["blocks"]["free"] == 64

@@ -1,0 +1,212 @@
+"""The `openai` client, unchanged, against the proxy over the in-process engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from common.wire.sampling_params import SamplingParams
+from tests.support.proxy_harness import MAX_MODEL_LEN, MODEL, OfflineEngine, ProxyHarness
+
+CHAT_PROMPT = "Hello, who are you?"
+TEXT_PROMPT = "The quick brown fox"
+
+
+@pytest.fixture()
+def client(proxy: ProxyHarness) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{proxy.base_url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+    proxy.wait_idle()
+
+
+def _greedy(
+    offline_engine: OfflineEngine, ids: list[int], max_tokens: int, **kw: Any
+) -> tuple[list[int], str]:
+    return offline_engine.generate(
+        ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+    )
+
+
+def _stream_chat(client: OpenAI, **kw: Any) -> tuple[list[Any], str, str | None]:
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    return chunks, text, reasons[-1]
+
+
+def _stream_completion(client: OpenAI, **kw: Any) -> tuple[list[Any], str, str | None]:
+    chunks = list(client.completions.create(model=MODEL, stream=True, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    return chunks, text, reasons[-1]
+
+
+def test_chat_stream_and_full_match_offline_greedy(
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
+) -> None:
+    messages = [{"role": "user", "content": CHAT_PROMPT}]
+    ids = proxy.tokenizer.encode_chat(messages)
+    want_ids, want_reason = _greedy(offline_engine, ids, 24)
+    want = proxy.tokenizer.decode(want_ids)
+
+    chunks, text, reason = _stream_chat(client, messages=messages, max_tokens=24, temperature=0)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.id.startswith("chatcmpl-") for c in chunks)
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    assert (text, reason) == (want, want_reason)
+
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0
+    )
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    assert full.choices[0].message.role == "assistant"
+    assert (full.choices[0].message.content, full.choices[0].finish_reason) == (want, reason)
+    assert full.usage is not None
+    assert full.usage.prompt_tokens == len(ids)
+    assert full.usage.completion_tokens == len(want_ids)
+    assert full.usage.total_tokens == len(ids) + len(want_ids)
+
+
+def test_completion_stream_and_full_match_offline_greedy(
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
+) -> None:
+    ids = proxy.tokenizer.encode(TEXT_PROMPT)
+    want_ids, _ = _greedy(offline_engine, ids, 20, ignore_eos=True)
+    want = proxy.tokenizer.decode(want_ids)
+    kw: dict[str, Any] = dict(prompt=TEXT_PROMPT, max_tokens=20, temperature=0)
+    kw["extra_body"] = {"ignore_eos": True}
+
+    chunks, text, reason = _stream_completion(client, **kw)
+    assert (text, reason) == (want, "length")
+    assert all(c.id.startswith("cmpl-") and c.object == "text_completion" for c in chunks)
+
+    full = client.completions.create(model=MODEL, **kw)
+    assert (full.choices[0].text, full.choices[0].finish_reason) == (want, "length")
+    assert full.usage is not None and full.usage.completion_tokens == 20
+
+    by_ids = client.completions.create(model=MODEL, **{**kw, "prompt": ids})
+    assert by_ids.choices[0].text == want
+
+
+def test_include_usage_adds_a_final_usage_chunk(client: OpenAI, proxy: ProxyHarness) -> None:
+    messages = [{"role": "user", "content": CHAT_PROMPT}]
+    chunks, _, reason = _stream_chat(
+        client,
+        messages=messages,
+        max_tokens=7,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    assert reason == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    n_prompt = len(proxy.tokenizer.encode_chat(messages))
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (n_prompt, 7)
+    assert last.usage.total_tokens == n_prompt + 7
+
+    plain, _, _ = _stream_chat(client, messages=messages, max_tokens=3, temperature=0)
+    assert all(c.usage is None and c.choices for c in plain)
+
+
+def test_max_tokens_finishes_with_length(client: OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt=TEXT_PROMPT, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 5
+
+
+def test_default_max_tokens_fills_the_context(client: OpenAI, proxy: ProxyHarness) -> None:
+    ids = proxy.tokenizer.encode(TEXT_PROMPT)
+    prompt = (ids * MAX_MODEL_LEN)[: MAX_MODEL_LEN - 3]
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 3
+
+
+def _boundary_stop(proxy: ProxyHarness, ids: list[int]) -> tuple[str, str]:
+    """A stop string that starts inside one output token's text and ends inside the next
+    one's, and the text expected before it."""
+    tok = proxy.tokenizer
+    full = tok.decode(ids)
+    for i in range(3, len(ids) - 1):
+        a, b = len(tok.decode(ids[:i])), len(tok.decode(ids[: i + 1]))
+        c = len(tok.decode(ids[: i + 2]))
+        if 0 < a < b - 1 and b < c and full[:b] == tok.decode(ids[: i + 1]):
+            stop = full[b - 2 : b + 1]
+            if "\ufffd" not in stop:
+                return stop, full[: full.find(stop)]
+    raise AssertionError("no token boundary found to place a stop string on")
+
+
+def test_stop_string_across_tokens(
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
+) -> None:
+    ids = proxy.tokenizer.encode(TEXT_PROMPT)
+    want_ids, _ = _greedy(offline_engine, ids, 40, ignore_eos=True)
+    stop, want = _boundary_stop(proxy, want_ids)
+    kw: dict[str, Any] = dict(prompt=TEXT_PROMPT, max_tokens=40, temperature=0)
+    kw["extra_body"] = {"ignore_eos": True}
+
+    for stops in (stop, ["\x00never", stop]):
+        chunks, text, reason = _stream_completion(client, stop=stops, **kw)
+        assert (text, reason) == (want, "stop")
+        full = client.completions.create(model=MODEL, stop=stops, **kw)
+        assert (full.choices[0].text, full.choices[0].finish_reason) == (want, "stop")
+        assert full.usage is not None and full.usage.completion_tokens < 40  # cancelled early
+
+
+def test_partial_stop_at_end_is_flushed(
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
+) -> None:
+    ids = proxy.tokenizer.encode(TEXT_PROMPT)
+    want_ids, _ = _greedy(offline_engine, ids, 12, ignore_eos=True)
+    want = proxy.tokenizer.decode(want_ids)
+    stop = want[-2:] + "\x00tail"  # its first two characters end the output; it never completes
+    kw: dict[str, Any] = dict(prompt=TEXT_PROMPT, max_tokens=12, temperature=0, stop=stop)
+    chunks, text, reason = _stream_completion(client, extra_body={"ignore_eos": True}, **kw)
+    assert (text, reason) == (want, "length")
+    # The possible stop prefix was held back until the end, then flushed with the finish.
+    assert chunks[-1].choices[0].text.endswith(want[-2:])
+    assert not "".join(c.choices[0].text for c in chunks[:-1]).endswith(want[-2:])
+
+
+def test_stop_token_ids_are_not_rendered(
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
+) -> None:
+    ids = proxy.tokenizer.encode(TEXT_PROMPT)
+    want_ids, _ = _greedy(offline_engine, ids, 16, ignore_eos=True)
+    stop_id = want_ids[5]
+    cut = want_ids.index(stop_id)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=TEXT_PROMPT,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == proxy.tokenizer.decode(want_ids[:cut])
+    assert out.usage is not None and out.usage.completion_tokens == cut + 1
+
+
+def test_seeded_sampling_is_reproducible(client: OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, prompt=TEXT_PROMPT, max_tokens=8, temperature=0.9)
+    kw["seed"] = 7
+    kw["top_p"] = 0.9
+    a = client.completions.create(**kw, extra_body={"top_k": 50})
+    b = client.completions.create(**kw, extra_body={"top_k": 50})
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_models_lists_the_model(client: OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"

@@ -1,0 +1,179 @@
+"""DisaggBackend and ColocatedBackend against stub nodes: the stage order, the first token
+before decode capacity, cancellation at each stage, node retry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.wire.node_messages import DecodeRequest, PrefillRequest
+from common.wire.sampling_params import SamplingParams
+from proxy.http.backend import BackendError, GenerationRequest, TokenChunk
+from proxy.pool.client import NodeClient
+from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from proxy.pool.registry import NodeRegistry, RegistryConfig
+from tests.support.node_stubs import FAST, StubNode, eventually, proxy_stack, run, stubs
+
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+def _request(rid: str = "req-1") -> GenerationRequest:
+    return GenerationRequest(rid, [1, 2, 3], SAMPLING)
+
+
+async def _collect(stream) -> list[TokenChunk]:  # type: ignore[no-untyped-def]
+    return [chunk async for chunk in stream]
+
+
+def test_first_token_from_prefill_then_the_decode_stream() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            backend = DisaggBackend(stack.registry, stack.client, stack.queue, DisaggConfig(7.0))
+            chunks = await _collect(backend.generate(_request()))
+            assert chunks == [
+                TokenChunk([7]),
+                TokenChunk([8]),
+                TokenChunk([9]),
+                TokenChunk([10], "length"),
+            ]
+            [(_, pre)], [(_, dec)] = prefill.calls, decode.calls
+            assert isinstance(pre, PrefillRequest) and isinstance(dec, DecodeRequest)
+            assert pre.request_id == dec.request_id == "req-1" and pre.lease_s == 7.0
+            assert dec.first_token_id == 7 and dec.kv.engine_id == prefill.engine_id
+            assert prefill.cancels == decode.cancels == []
+
+    run(body())
+
+
+def test_the_first_token_does_not_wait_for_decode_capacity_and_close_cancels_the_queued() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        decode.max_streams = 0  # the decode pool is full
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            backend = DisaggBackend(stack.registry, stack.client, stack.queue)
+            stream = backend.generate(_request())
+            assert await asyncio.wait_for(anext(stream), 1.0) == TokenChunk([7])
+            assert stack.queue.depth == 1  # queued before the first token was handed out
+            waiting = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.1)
+            waiting.cancel()  # the client leaves while its request waits for decode
+            await asyncio.gather(waiting, return_exceptions=True)
+            await stream.aclose()
+            await eventually(lambda: prefill.cancels == ["req-1"], what="prefill cancel")
+            assert stack.queue.depth == 0 and decode.accepted == []
+
+    run(body())
+
+
+def test_closing_during_prefill_drops_the_call_and_cancels_on_the_prefill_node() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.prefill_delay = 5.0
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            backend = DisaggBackend(stack.registry, stack.client, stack.queue)
+            task = asyncio.ensure_future(_collect(backend.generate(_request())))
+            await eventually(lambda: prefill.paths() == ["/internal/prefill"])
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await eventually(lambda: prefill.disconnected == ["req-1"], what="disconnect")
+            await eventually(lambda: prefill.cancels == ["req-1"], what="cancel")
+            assert stack.registry.nodes()[0].inflight == 0
+
+    run(body())
+
+
+def test_closing_during_decode_closes_the_stream_and_cancels_on_the_decode_node() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        decode.tokens, decode.token_delay = list(range(8, 40)), 0.02
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            backend = DisaggBackend(stack.registry, stack.client, stack.queue)
+            stream = backend.generate(_request())
+            assert [await anext(stream) for _ in range(3)][-1] == TokenChunk([9])
+            await stream.aclose()
+            await eventually(lambda: decode.disconnected == ["req-1"], what="disconnect")
+            await eventually(lambda: decode.cancels == ["req-1"], what="decode cancel")
+            assert prefill.cancels == []  # a decode token came: the KV had landed
+
+    run(body())
+
+
+def test_a_request_finished_at_its_first_token_never_reaches_decode() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.finish_at_first = "stop"
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            backend = DisaggBackend(stack.registry, stack.client, stack.queue)
+            assert await _collect(backend.generate(_request())) == [TokenChunk([7], "stop")]
+            assert decode.calls == [] and stack.queue.depth == 0
+
+    run(body())
+
+
+def test_an_unreachable_prefill_node_is_skipped_and_marked_down() -> None:
+    async def body() -> None:
+        dead, live, decode = StubNode("prefill"), StubNode("prefill"), StubNode("decode")
+        live.queued_prefill_tokens = 1000  # the dead one looks less loaded
+        async with stubs(dead, live, decode):
+            async with proxy_stack((dead, live), (decode,), poll_interval_s=60) as stack:
+                await dead.stop()
+                backend = DisaggBackend(stack.registry, stack.client, stack.queue)
+                chunks = await _collect(backend.generate(_request()))
+                assert [c.token_ids for c in chunks] == [[7], [8], [9], [10]]
+                assert [n.healthy for n in stack.registry.nodes()] == [False, True, True]
+
+    run(body())
+
+
+def test_a_refusing_prefill_node_is_a_client_error_without_retry() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            prefill.refuse_prefill = True
+            backend = DisaggBackend(stack.registry, stack.client, stack.queue)
+            with pytest.raises(BackendError) as err:
+                await _collect(backend.generate(_request()))
+            assert err.value.status == 400 and err.value.message == "prompt too long"
+            await asyncio.sleep(0.05)
+            assert prefill.paths() == ["/internal/prefill"] and prefill.cancels == []
+
+    run(body())
+
+
+def test_without_a_healthy_decode_node_nothing_is_prefilled() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        decode.health_status = 503
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            backend = DisaggBackend(stack.registry, stack.client, stack.queue)
+            with pytest.raises(BackendError) as err:
+                await _collect(backend.generate(_request()))
+            assert err.value.status == 503 and "decode" in err.value.message
+            assert prefill.calls == []
+
+    run(body())
+
+
+def test_colocated_backend_streams_from_a_both_node_and_cancels_on_close() -> None:
+    async def body() -> None:
+        node = StubNode("both")
+        node.tokens, node.token_delay = list(range(8, 40)), 0.02
+        client = NodeClient(FAST)
+        registry = NodeRegistry(client, RegistryConfig(0.05, frozenset({"both"})))  # type: ignore[arg-type]
+        async with stubs(node):
+            await client.start()
+            try:
+                registry.add(node.url, "both")
+                await registry.start()
+                backend = ColocatedBackend(registry, client)
+                stream = backend.generate(_request())
+                assert [(await anext(stream)).token_ids for _ in range(2)] == [[7], [8]]
+                await stream.aclose()
+                await eventually(lambda: node.cancels == ["req-1"] and node.disconnected)
+            finally:
+                await registry.stop()
+                await client.close()
+
+    run(body())

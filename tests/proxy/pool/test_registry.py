@@ -1,0 +1,208 @@
+"""The node registry against stub nodes over real HTTP: health transitions (down when
+stopped, up again when restarted at the same URL), fingerprint and role checks, routing
+order, and the /admin/nodes routes."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.http.backend import BackendError
+from proxy.pool.admin import AdminRoutes
+from proxy.pool.client import NodeClient
+from proxy.pool.node_state import NodeStatus, Role
+from proxy.pool.registry import NodeRegistry, RegistrationError, RegistryConfig
+from tests.support.node_stubs import FAST, StubNode, eventually, run, stubs
+
+
+class Registry:
+    """A started NodeRegistry (fast polls) over its own client; always stopped."""
+
+    def __init__(self, poll_interval_s: float = 0.05, roles: frozenset[Role] | None = None):
+        self.client = NodeClient(FAST)
+        config = RegistryConfig(poll_interval_s=poll_interval_s)
+        if roles is not None:
+            config = RegistryConfig(poll_interval_s=poll_interval_s, roles=roles)
+        self.registry = NodeRegistry(self.client, config)
+
+    async def __aenter__(self) -> NodeRegistry:
+        await self.client.start()
+        await self.registry.start()
+        return self.registry
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.registry.stop()
+        await self.client.close()
+
+
+def test_a_stopped_node_goes_down_and_rejoins_when_restarted_at_the_same_url() -> None:
+    async def body() -> None:
+        node = StubNode("prefill")
+        async with stubs(node), Registry() as registry:
+            ups: list[str] = []
+            registry.add_listener(lambda n: ups.append(n.url))
+            entry = registry.add(node.url, "prefill")
+            await eventually(lambda: entry.healthy, what="up")
+            first_engine = entry.state.engine_id if entry.state else None
+            port = node.port
+            await node.stop()
+            await eventually(lambda: entry.status is NodeStatus.DOWN, what="down")
+            assert entry.error and node.url in entry.error
+            with pytest.raises(BackendError) as err:
+                registry.pick_prefill()
+            assert err.value.status == 503
+            await node.start(port)
+            await eventually(lambda: entry.healthy, what="up again")
+            assert entry.state is not None and entry.state.engine_id != first_engine
+            assert ups == [node.url, node.url]
+            assert registry.pick_prefill() is entry
+
+    run(body())
+
+
+def test_health_503_takes_a_node_out_of_rotation_until_it_answers_200() -> None:
+    async def body() -> None:
+        node = StubNode("decode")
+        async with stubs(node), Registry() as registry:
+            entry = registry.add(node.url, "decode")
+            await eventually(lambda: entry.healthy)
+            node.health_status = 503  # draining
+            await eventually(lambda: entry.status is NodeStatus.DOWN)
+            assert registry.decode_candidates() == []
+            node.health_status = 200
+            await eventually(lambda: entry.healthy)
+            assert registry.decode_candidates() == [entry]
+
+    run(body())
+
+
+def test_a_node_with_another_model_fingerprint_is_refused_at_registration() -> None:
+    async def body() -> None:
+        good, other = StubNode("prefill", "fp-A"), StubNode("decode", "fp-B")
+        async with stubs(good, other), Registry() as registry:
+            await registry.register(good.url, "prefill")
+            assert registry.fingerprint == "fp-A"
+            with pytest.raises(RegistrationError) as err:
+                await registry.register(other.url, "decode")
+            assert err.value.status == 409
+            assert "fingerprint" in err.value.message and "fp-B" in err.value.message
+            assert [n.url for n in registry.nodes()] == [good.url]
+
+    run(body())
+
+
+def test_the_role_is_checked_against_the_nodes_state() -> None:
+    async def body() -> None:
+        node = StubNode("decode")
+        async with stubs(node), Registry() as registry:
+            with pytest.raises(RegistrationError) as err:
+                await registry.register(node.url, "prefill")
+            assert err.value.status == 409 and "role" in err.value.message
+            with pytest.raises(RegistrationError) as err:
+                await registry.register(node.url, "both")  # not routed to by this proxy
+            assert err.value.status == 400
+            entry = await registry.register(node.url)  # default: the role it reports
+            assert entry.role is Role.DECODE and entry.healthy
+
+    run(body())
+
+
+def test_flag_nodes_are_verified_by_the_poller_and_the_first_sets_the_fingerprint() -> None:
+    async def body() -> None:
+        first, odd = StubNode("prefill", "fp-A"), StubNode("decode", "fp-B")
+        async with stubs(first, odd):
+            r = Registry()
+            a, b = r.registry.add(first.url, "prefill"), r.registry.add(odd.url, "decode")
+            async with r as registry:
+                assert registry.fingerprint == "fp-A"
+                assert a.healthy and b.status is NodeStatus.REFUSED
+                assert b.error is not None and "fingerprint" in b.error
+                assert registry.decode_candidates() == []
+
+    run(body())
+
+
+def test_prefill_goes_to_the_least_queued_node_counting_what_was_sent_since_the_poll() -> None:
+    async def body() -> None:
+        busy, idle = StubNode("prefill"), StubNode("prefill")
+        busy.queued_prefill_tokens, idle.queued_prefill_tokens = 100, 10
+        async with stubs(busy, idle), Registry(poll_interval_s=60) as registry:
+            b, i = registry.add(busy.url, "prefill"), registry.add(idle.url, "prefill")
+            await registry.poll_all()
+            assert registry.pick_prefill() is i
+            with registry.track(i, 200):  # in flight, not yet in its /state
+                assert registry.pick_prefill() is b
+                assert i.inflight == 1
+            assert registry.pick_prefill() is b  # sent since the last poll still counts
+            await registry.poll_all()
+            assert registry.pick_prefill() is i
+            assert registry.pick_prefill(exclude=frozenset({i.url})) is b
+
+    run(body())
+
+
+def test_decode_candidates_are_ordered_by_free_capacity() -> None:
+    async def body() -> None:
+        nodes = [StubNode("decode") for _ in range(3)]
+        for node, free in zip(nodes, (10, 50, 30), strict=True):
+            node.free_blocks = free
+        async with stubs(*nodes), Registry(poll_interval_s=60) as registry:
+            entries = [registry.add(n.url, "decode") for n in nodes]
+            await registry.poll_all()
+            assert registry.decode_candidates() == [entries[1], entries[2], entries[0]]
+            entries[2].sent(16 * 25)  # 25 blocks' worth sent since the poll: 5 left
+            assert registry.decode_candidates() == [entries[1], entries[0], entries[2]]
+
+    run(body())
+
+
+def test_admin_routes_register_list_and_remove_nodes() -> None:
+    async def body() -> None:
+        good, other = StubNode("prefill", "fp-A"), StubNode("decode", "fp-B")
+        async with stubs(good, other), Registry() as registry:
+            app = web.Application()
+            AdminRoutes(registry).add_to(app)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            base = f"http://127.0.0.1:{runner.addresses[0][1]}/admin/nodes"
+            timeout = aiohttp.ClientTimeout(total=5)
+            try:
+                async with aiohttp.ClientSession(timeout=timeout) as s:
+                    await _admin_calls(s, base, good, other)
+            finally:
+                await runner.cleanup()
+
+    run(body())
+
+
+async def _admin_calls(
+    s: aiohttp.ClientSession, base: str, good: StubNode, other: StubNode
+) -> None:
+    async with s.post(base, json={"url": good.url + "/", "role": "prefill"}) as r:
+        assert r.status == 201
+        assert (await r.json())["url"] == good.url and (await r.json())["healthy"] is True
+    async with s.post(base, json={"url": other.url, "role": "decode"}) as r:
+        assert r.status == 409
+        error = (await r.json())["error"]
+        assert "fingerprint" in error["message"] and error["code"] == "node_conflict"
+    async with s.post(base, json={"url": "http://127.0.0.1:1", "role": "decode"}) as r:
+        assert r.status == 502
+    async with s.post(base, json={"role": "decode"}) as r:
+        assert r.status == 400
+    async with s.post(base, json={"url": "not a url"}) as r:
+        assert r.status == 400
+    async with s.get(base) as r:
+        listed = await r.json()
+    assert listed["fingerprint"] == "fp-A"
+    assert [(n["url"], n["role"], n["healthy"]) for n in listed["nodes"]] == [
+        (good.url, "prefill", True)
+    ]
+    assert listed["nodes"][0]["model_fingerprint"] == "fp-A"
+    async with s.delete(base, params={"url": good.url}) as r:
+        assert r.status == 200
+    async with s.delete(base, params={"url": good.url}) as r:
+        assert r.status == 404
+    async with s.get(base) as r:
+        assert (await r.json())["nodes"] == []

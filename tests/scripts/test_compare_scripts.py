@@ -1,0 +1,79 @@
+"""The helpers of scripts/compare_disagg.sh: the mixed workload it writes and the report it
+builds from two bench-serve results (their JSON made by bench-serve's own summarize)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+from common.text.tokenizer import Tokenizer
+from proxy.bench.client import RequestResult
+from proxy.bench.stats import Slo, summarize
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mixed_workload_has_both_kinds_at_exact_lengths(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    out = tmp_path / "mixed.jsonl"
+    argv = ["--out", str(out), "--model", str(tiny_model_dir), "--num-requests", "10"]
+    assert _script("mixed_workload").main([*argv, "--long-fraction", "0.3"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    lengths = [len(tok.encode(line["prompt"])) for line in lines]
+    long = [(n, line["max_tokens"]) for n, line in zip(lengths, lines, strict=True) if n > 500]
+    assert len(lines) == 10 and len(long) == 3
+    assert all(990 <= n <= 1510 and 9 <= m <= 15 for n, m in long)
+    short = [line["max_tokens"] for n, line in zip(lengths, lines, strict=True) if n <= 500]
+    assert all(128 <= m <= 192 for m in short)
+
+
+def _run(run_dir: Path, gap_s: float, slo: Slo) -> None:
+    """Ten requests of 20 tokens, the first at 100 ms, then one token every `gap_s`."""
+    results = [
+        RequestResult(
+            ok=True,
+            start_s=i,
+            e2el_s=0.1 + 19 * gap_s,
+            requested_output_tokens=20,
+            ttft_s=0.1,
+            itl_s=[gap_s] * 19,
+            output_tokens=20,
+            prompt_tokens=50,
+        )
+        for i in range(10)
+    ]
+    run_dir.mkdir()
+    config = {"endpoint": "completions", "dataset": "d.jsonl", "num_requests": 10}
+    config |= {"rate": 1.0, "arrival": "poisson", "seed": 0}
+    doc = {"config": config, **summarize(results, 10.0, slo)}
+    (run_dir / "bench.json").write_text(json.dumps(doc))
+    (run_dir / "cdf-rate1.png").write_bytes(b"")
+
+
+def test_report_has_both_rows_a_verdict_and_the_plots(tmp_path: Path) -> None:
+    slo = Slo(ttft_ms=1000, tpot_ms=50)
+    _run(tmp_path / "colocated", 0.080, slo)  # misses the TPOT SLO
+    _run(tmp_path / "disagg", 0.020, slo)
+    out = tmp_path / "report.md"
+    argv = ["--colocated", str(tmp_path / "colocated"), "--disagg", str(tmp_path / "disagg")]
+    assert _script("compare_report").main([*argv, "--out", str(out), "--context", "ctx"]) == 0
+    text = out.read_text()
+    assert "- ctx" in text and "TTFT <= 1000 ms and TPOT <= 50 ms" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| colocated", "| 1P1D"))]
+    assert len(rows) == 2 and "0.00 | 0%" in rows[0] and "1.00 | 100%" in rows[1]
+    assert "decode ITL p99: **1P1D** (20.0 vs 80.0 ms, 4x lower)" in text
+    assert "TTFT p50: tie" in text and "goodput: **1P1D**" in text
+    assert "](colocated/cdf-rate1.png)" in text and "](disagg/cdf-rate1.png)" in text
+    assert (tmp_path / "compare.png").stat().st_size > 0

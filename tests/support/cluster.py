@@ -1,0 +1,197 @@
+"""Real node and proxy processes on loopback for end-to-end tests (built on procs).
+
+`Cluster` starts each process with `python -m common.cli ...`, waits for it to serve, and
+always stops every process it started (by pid: SIGTERM, then SIGKILL) on `close()` or when
+the `with` block ends, whether or not the test failed. `Service` is `pdserve up` as a user
+runs it.
+"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.support import procs
+from tests.support.http import free_port, http_json
+
+Topology = tuple[int, int, int]  # prefill, decode, colocated nodes
+
+
+@dataclass
+class Server(procs.Proc):
+    """A node or proxy process and the URL it serves."""
+
+    url: str = ""
+
+    def state(self) -> dict[str, Any]:
+        return http_json(f"{self.url}/state", timeout=5.0)
+
+
+class Cluster:
+    """Starts nodes and a proxy; `close()` (or leaving the `with`) stops them all."""
+
+    def __init__(self, model_dir: Path, kv_backend: str = "nixl", **engine: Any) -> None:
+        self.model_dir = model_dir
+        self.kv_backend = kv_backend
+        self.engine = {"num_blocks": 256, "threads": 1, **engine}
+        self.procs: list[Server] = []
+        self.proxy: Server | None = None  # the last proxy started
+        self.proxies: list[Server] = []
+        self._logdir = Path(tempfile.mkdtemp(prefix="pdserve-e2e-"))
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        procs.stop_all(self.procs)
+
+    def _spawn(self, name: str, argv: list[str], url: str, wait: bool = True) -> Server:
+        proc = procs.spawn(name, argv, self._logdir / f"{name}.log", cls=Server, url=url)
+        self.procs.append(proc)
+        if wait:
+            procs.wait_healthy(proc, url, 90.0)
+        return proc
+
+    def wait_all(self, timeout: float = 120.0) -> None:
+        for proc in self.procs:
+            procs.wait_healthy(proc, proc.url, timeout)
+
+    def node(
+        self,
+        role: str,
+        name: str | None = None,
+        port: int | None = None,
+        wait: bool = True,
+        **extra: Any,
+    ) -> Server:
+        port = port or free_port()
+        argv = procs.module("common.cli", "node", "--role", role, "--port", str(port))
+        argv += ["--model", str(self.model_dir), "--kv-backend", self.kv_backend]
+        for key, value in {**self.engine, **extra}.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        name = name or f"{role}-{len(self.procs)}"
+        return self._spawn(name, argv, f"http://127.0.0.1:{port}", wait)
+
+    def restart(self, proc: Server) -> Server:
+        """Start `proc`'s command again (same port, same URL) once it has exited."""
+        proc.stop()
+        new = procs.respawn(proc)
+        self.procs[self.procs.index(proc)] = new
+        procs.wait_healthy(new, new.url, 90.0)
+        return new
+
+    def start_proxy(
+        self,
+        prefill: list[Server] = (),
+        decode: list[Server] = (),
+        colocated: list[Server] = (),
+        **extra: Any,
+    ) -> Server:
+        port = free_port()
+        argv = procs.module("common.cli", "proxy", "--port", str(port))
+        argv += ["--model", str(self.model_dir)]
+        for flag, nodes in (
+            ("--prefill", prefill),
+            ("--decode", decode),
+            ("--colocated", colocated),
+        ):
+            if nodes:
+                argv += [flag, ",".join(p.url for p in nodes)]
+        for key, value in extra.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        name = "proxy" if not self.proxies else f"proxy-{len(self.proxies)}"
+        self.proxy = self._spawn(name, argv, f"http://127.0.0.1:{port}")
+        self.proxies.append(self.proxy)
+        return self.proxy
+
+    def nodes(self) -> list[Server]:
+        return [p for p in self.procs if p not in self.proxies]
+
+    def wait_baseline(self, timeout: float = 10.0) -> None:
+        """Every live node: all blocks free and no request left."""
+        deadline = time.monotonic() + timeout
+        states: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            states = {}
+            for p in self.nodes():
+                if not p.alive():
+                    continue
+                try:
+                    states[p.name] = p.state()
+                except OSError as e:
+                    raise AssertionError(f"{p.name} at {p.url}: {e}\n{p.log_tail()}") from e
+            if all(_at_baseline(s) for s in states.values()):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"nodes not back at baseline after {timeout}s: {states}")
+
+
+def start_cluster(model_dir: Path, topology: Topology, **engine: object) -> Cluster:
+    """A cluster of `topology` nodes behind one proxy, every node started at once; if any
+    fails to come up, everything started is stopped before the error propagates."""
+    cluster = Cluster(model_dir, **engine)
+    try:
+        n_p, n_d, n_c = topology
+        prefill = [cluster.node("prefill", f"prefill-{i}", wait=False) for i in range(n_p)]
+        decode = [cluster.node("decode", f"decode-{i}", wait=False) for i in range(n_d)]
+        both = [cluster.node("both", f"both-{i}", wait=False) for i in range(n_c)]
+        cluster.wait_all()
+        cluster.start_proxy(prefill=prefill, decode=decode, colocated=both)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def _at_baseline(state: dict[str, Any]) -> bool:
+    b, r = state["blocks"], state["requests"]
+    return b["free"] == b["total"] and not any(r.values())
+
+
+class Service:
+    """`pdserve up` as a user runs it (proxy in-process, nodes as its children); stopped by
+    pid with SIGINT (then SIGKILL; its nodes get their parent-death signal) when the `with`
+    block ends."""
+
+    def __init__(self, model_dir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._logdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.log_path = self._logdir / "up.log"
+        argv = procs.module("common.cli", "up", "--port", str(self.port))
+        argv += ["--model", str(model_dir), "--log-dir", str(self._logdir), *args]
+        self.proc = procs.spawn("pdserve-up", argv, self.log_path)
+
+    def __enter__(self) -> Service:
+        try:
+            procs.wait_healthy(self.proc, self.url, 180.0)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> int | None:
+        return self.proc.stop(signal.SIGINT, grace=60.0)
+
+    def node_urls(self) -> list[str]:
+        return [n["url"] for n in http_json(f"{self.url}/admin/nodes")["nodes"]]
+
+    def wait_baseline(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        states: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            states = {u: http_json(f"{u}/state", timeout=5.0) for u in self.node_urls()}
+            if all(_at_baseline(s) for s in states.values()):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"nodes not back at baseline after {timeout}s: {states}")

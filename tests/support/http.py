@@ -1,0 +1,22 @@
+"""Blocking HTTP helpers for tests: a free loopback port, JSON over urllib."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
+    """GET `url` (or POST `body` as JSON) and decode the JSON answer; HTTPError on 4xx/5xx."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
