@@ -171,6 +171,9 @@ class DecodeNode(TransferNode):
     async def cancel(self, request_id: str) -> Stage | None:
         entry = self._entry(request_id)
         if entry is None:
+            record = self.engine.record(request_id)
+            if record is not None and _freed(record.transfer):
+                return None  # ended here already; its blocks are on their way back
             return await super().cancel(request_id)  # running: the engine aborts it
         if entry.state is IncomingState.RESERVED:
             entry.transition(IncomingState.CANCELLED)  # the handler stops before the transfer
@@ -221,3 +224,7 @@ class DecodeNode(TransferNode):
             self._free(entry)
         elif not entry.done.done():
             entry.done.set_result(landed)
+
+
+def _freed(transfer: object) -> bool:
+    return isinstance(transfer, Incoming) and transfer.state is IncomingState.FREED

@@ -159,8 +159,11 @@ class PrefillNode(TransferNode):
 
     async def cancel(self, request_id: str) -> Stage | None:
         entry = self._entry(request_id)
-        if entry is None:  # still queued or computing: the engine aborts it
-            return await super().cancel(request_id)
+        if entry is None:
+            record = self.engine.record(request_id)
+            if record is not None and record.transfer is not None:
+                return None  # released already; the engine is freeing its blocks
+            return await super().cancel(request_id)  # queued or computing: the engine aborts it
         if entry.state is HeldState.HELD:
             self._release(entry, "cancelled")
             return Stage.HELD
