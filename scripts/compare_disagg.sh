@@ -20,18 +20,21 @@
 # and the bench-serve plots. Per deployment DIR/NAME/ holds bench.json, bench.txt, up.log, node
 # logs and the PNGs.
 #
-# Default length ~3-6 min on a 2-core machine; --quick (~2 min) is a smoke run: its numbers
-# mean little. Settings (environment; the defaults are fixed, not derived from a run):
+# It runs on the default model, SmolLM2-135M-Instruct (COMPARE_MODEL=tiny for the
+# bookkeeping-only tiny model); the defaults are sized for it. Default length ~6-8 min on a 2-core
+# machine; --quick (~3 min) is a smoke run: its numbers mean little. Settings (environment; the defaults are fixed, not derived from a run):
 #   COMPARE_OUT               output directory (default out/compare, relative to the current
 #                             directory; --out wins)
-#   COMPARE_RATE              Poisson arrival rate, req/s (default 1)
-#   COMPARE_NUM_REQUESTS      measured requests per deployment (default 120; --quick 16)
-#   COMPARE_WARMUP_REQUESTS   unmeasured requests first (default 4; --quick 2)
+#   COMPARE_MODEL             --model for both deployments and the dataset's tokenizer
+#                             (default smollm2-135m-instruct)
+#   COMPARE_RATE              Poisson arrival rate, req/s (default 0.2)
+#   COMPARE_NUM_REQUESTS      measured requests per deployment (default 30; --quick 8)
+#   COMPARE_WARMUP_REQUESTS   unmeasured requests first (default 2; --quick 1)
 #   COMPARE_LONG_FRACTION     share of long-prompt requests (default 0.2)
-#   COMPARE_LONG_INPUT        long prompt tokens, +-20% (default 1250: 1000-1500)
-#   COMPARE_SHORT_OUTPUT      output tokens of the short-prompt requests, +-20% (default 160)
-#   COMPARE_SLO_TTFT_MS       goodput SLO on TTFT (default 2000)
-#   COMPARE_SLO_TPOT_MS       goodput SLO on TPOT (default 50)
+#   COMPARE_LONG_INPUT        long prompt tokens, +-20% (default 800: 640-960)
+#   COMPARE_SHORT_OUTPUT      output tokens of the short-prompt requests, +-20% (default 64)
+#   COMPARE_SLO_TTFT_MS       goodput SLO on TTFT (default 5000)
+#   COMPARE_SLO_TPOT_MS       goodput SLO on TPOT (default 200)
 #   COMPARE_MAX_CONCURRENCY   cap on requests in flight (default 32)
 #   COMPARE_SEED              dataset, order and arrivals (default 0)
 #   COMPARE_UP_ARGS           more `pdserve up` flags for both, e.g. "--kv-backend zmq"
@@ -65,15 +68,16 @@ if [[ -z "$py" ]]; then
 fi
 command -v curl >/dev/null || { echo "compare_disagg: needs curl" >&2; exit 2; }
 
-rate="${COMPARE_RATE:-1}"
-if (( quick )); then num_default=16 warmup_default=2; else num_default=120 warmup_default=4; fi
+model="${COMPARE_MODEL:-smollm2-135m-instruct}"
+rate="${COMPARE_RATE:-0.2}"
+if (( quick )); then num_default=8 warmup_default=1; else num_default=30 warmup_default=2; fi
 num="${COMPARE_NUM_REQUESTS:-$num_default}"
 warmup="${COMPARE_WARMUP_REQUESTS:-$warmup_default}"
 long_fraction="${COMPARE_LONG_FRACTION:-0.2}"
-long_input="${COMPARE_LONG_INPUT:-1250}"
-short_output="${COMPARE_SHORT_OUTPUT:-160}"
-slo_ttft="${COMPARE_SLO_TTFT_MS:-2000}"
-slo_tpot="${COMPARE_SLO_TPOT_MS:-50}"
+long_input="${COMPARE_LONG_INPUT:-800}"
+short_output="${COMPARE_SHORT_OUTPUT:-64}"
+slo_ttft="${COMPARE_SLO_TTFT_MS:-5000}"
+slo_tpot="${COMPARE_SLO_TPOT_MS:-200}"
 max_conc="${COMPARE_MAX_CONCURRENCY:-32}"
 seed="${COMPARE_SEED:-0}"
 read -ra up_extra <<< "${COMPARE_UP_ARGS:-}"
@@ -114,7 +118,7 @@ start_deployment() {
     port="$("$py" -c 'from common.cli.up import free_port; print(free_port())')"
     url="http://127.0.0.1:$port"
     say "$name: pdserve up $* on $url"
-    "$py" -m common.cli up --host 127.0.0.1 --port "$port" --log-dir "$dir/node-logs" \
+    "$py" -m common.cli up --host 127.0.0.1 --port "$port" --log-dir "$dir/node-logs" --model "$model" \
         --startup-timeout-s "$startup_timeout" "$@" ${up_extra[@]+"${up_extra[@]}"} \
         >"$dir/up.log" 2>&1 &
     up_pid=$!
@@ -150,7 +154,7 @@ bench() {  # bench NAME: warm-up, then the measured run into $out/NAME/
 rm -rf "$out/colocated" "$out/disagg"
 mkdir -p "$out/colocated" "$out/disagg"
 dataset="$out/mixed.jsonl"
-"$py" scripts/mixed_workload.py --out "$dataset" --num-requests "$num" --seed "$seed" \
+"$py" scripts/mixed_workload.py --out "$dataset" --num-requests "$num" --seed "$seed" --model "$model" \
     --long-fraction "$long_fraction" --long-input "$long_input" --short-output "$short_output"
 cpus="$("$py" -c 'import os; print(len(os.sched_getaffinity(0)))')"
 loadavg=()

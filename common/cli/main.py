@@ -15,6 +15,7 @@ from common.cli.lazy import lazy
 from common.cli.node_args import add_node_args
 from common.cli.proxy_args import add_proxy_parser
 from common.cli.up_args import add_up_parser
+from common.model.builtin import ModelFetchError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, OSError) as e:  # bad config or model directory: a message, no traceback
+    except (ValueError, OSError, ModelFetchError) as e:  # bad config or model: no traceback
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
 

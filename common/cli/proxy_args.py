@@ -11,7 +11,11 @@ from proxy.pool.client import NodeTimeouts
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help="local HF model dir (default: built-in model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="as for the nodes: smollm2-135m-instruct (default), tiny, a .gguf file or a directory",
+    )
     p.add_argument("--served-model-name", default=None, help="the API's model name")
     p.add_argument("--max-model-len", type=int, default=None, help="context length to enforce")
     nodes = p.add_argument_group("nodes (URL[,URL]; repeatable; more via POST /admin/nodes)")

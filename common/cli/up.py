@@ -351,7 +351,7 @@ async def _demo(url: str, model: str, prompt: str) -> None:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": 48,
+        "max_tokens": 128,
         "temperature": 0,
         "stream": True,
     }
