@@ -31,11 +31,14 @@ def gather_kv(
     kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of the blocks in `block_table` ([..., max_blocks]) as [..., max_blocks*bs, kvh, hd]."""
-    k = kv_cache[block_table, layer, 0]  # [..., max_blocks, bs, kvh, hd], one gather copy
-    v = kv_cache[block_table, layer, 1]
-    lead = k.shape[:-4]
-    max_blocks, bs, kvh, hd = k.shape[-4:]
-    return k.view(*lead, max_blocks * bs, kvh, hd), v.view(*lead, max_blocks * bs, kvh, hd)
+    # index_select of whole blocks (contiguous bs*kvh*hd runs) is several times faster
+    # on CPU than advanced indexing (`kv_cache[block_table, layer, 0]`).
+    lead = block_table.shape[:-1]
+    flat = block_table.reshape(-1)
+    k = kv_cache[:, layer, 0].index_select(0, flat)  # [n, bs, kvh, hd], contiguous
+    v = kv_cache[:, layer, 1].index_select(0, flat)
+    kvh, hd = k.shape[-2:]
+    return k.view(*lead, -1, kvh, hd), v.view(*lead, -1, kvh, hd)
 
 
 def paged_decode_attention(
@@ -86,10 +89,11 @@ def paged_prefill_attention(
     k, v = gather_kv(kv_cache, layer, block_table)
     k, v = k[:ctx], v[:ctx]
     gqa = k.shape[1] != num_heads
-    # SDPA wants [heads, seq, dim]; transposed views, no copies.
-    qh = q.transpose(0, 1)
-    kh = k.transpose(0, 1).to(q.dtype)
-    vh = v.transpose(0, 1).to(q.dtype)
+    # SDPA wants [1, heads, seq, dim]; transposed views, no copies. The batch dimension
+    # matters: on CPU, 3-D inputs fall back to the unfused math kernel (about 5x slower).
+    qh = q.transpose(0, 1)[None]
+    kh = k.transpose(0, 1).to(q.dtype)[None]
+    vh = v.transpose(0, 1).to(q.dtype)[None]
     if start_pos == 0:
         out = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa
@@ -101,7 +105,7 @@ def paged_prefill_attention(
         out = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def pack_blocks(

@@ -1,100 +1,223 @@
 #!/usr/bin/env python3
-"""Engine decode throughput and step overhead on the default model (a benchmark, not a test).
+"""pdserve's engine against transformers `generate` on the same weights (a benchmark, not a test).
 
-For each batch size B: B requests with short prompts are prefilled, then N full
-engine steps (schedule + forward + sample + bookkeeping) each decode B tokens.
-The bare forward runs the model alone on the inputs that step prepared (same
-batch, same context), right after it. overhead = full step time / bare forward.
+    python scripts/bench_engine.py [--model smollm2-135m-instruct] [--dtype float32]
+        [--threads 2] [--batches 1,8,32] [--prompt-len 64] [--output-len 64]
+        [--prefill-len 1024] [--repeats 3] [--json out.json] [engine flags]
 
-    python scripts/bench_engine.py [--model DIR] [--batches 1,8,32,64] [--steps 30]
+Both run in this one process, on the same checkpoint, dtype and torch threads, with
+the same random-token prompts, greedy, every request generating exactly
+--output-len tokens (EOS ignored). The runs alternate (pdserve, transformers,
+pdserve, ...), so a load change on a shared machine hits both; each figure is the
+median over --repeats runs.
+
+    decode B    B requests together. Both sides timestamp every step (pdserve through
+                `LLMEngine.generate`'s on_output, transformers through a streamer);
+                tokens/s = tokens generated after every request has its first token,
+                divided by the time from that moment to the last token.
+    prefill N   one N-token prompt, one output token: N / wall time of the whole call.
+
+The engine runs with the serving defaults (`pdserve up`'s engine flags, which this
+script accepts), so a long prompt is prefilled in chunks of
+--max-num-batched-tokens as a server would. Prints a markdown table; --json
+writes every run's figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from common.cli.models import model_dir
-from common.engine.config import EngineConfig
+from common.cli.engine_args import add_engine_args, engine_config
 from common.engine.engine import LLMEngine
-from common.engine.runner import StepInputs
+from common.engine.scheduler import StepOutput
 from common.wire.sampling_params import SamplingParams
 
 
-def bench_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
-    # Long enough that no request finishes while others still prefill or during timing.
-    sp = SamplingParams(temperature=0.0, max_tokens=4 * steps + 64, ignore_eos=True)
-    g = torch.Generator().manual_seed(batch)
-    vocab = engine.model_config.vocab_size
-    for i in range(batch):
-        ids = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
-        engine.add_request(f"b{batch}-{i}", ids, sp)
-    engine.step()  # applies the adds, starts prefilling
-    while any(s.num_uncomputed != 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # prefill everything first
-    engine.step()  # warm up the decode path
-    # Capture each step's prepared inputs, so the bare forward after it runs the
-    # very batch the step ran (same sequences, same context lengths). A bare
-    # forward rewrites the same K/V into the same slots.
-    prepare = engine.runner.prepare
-    captured: list[StepInputs] = []
-    engine.runner.prepare = lambda b: captured.append(prepare(b)) or captured[-1]  # type: ignore[method-assign]
-    full: list[float] = []
-    bare: list[float] = []
-    try:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            t1 = time.perf_counter()
-            x = captured.pop()
-            assert len(x.sample_rows) == batch, (len(x.sample_rows), batch, len(captured))
-            hidden = engine.model(x.input_ids, x.positions, engine.kv_cache, x.meta)
-            engine.model.compute_logits(hidden[x.sample_rows])
-            t2 = time.perf_counter()
-            full.append(t1 - t0)
-            bare.append(t2 - t1)
-    finally:
-        engine.runner.prepare = prepare  # type: ignore[method-assign]
-    for i in range(batch):
-        engine.abort_request(f"b{batch}-{i}")
-    engine.step()
-    engine.check_integrity()
-    step_s = statistics.median(full)
-    bare_s = statistics.median(bare)
-    return {
-        "batch": batch,
-        "steps_per_s": 1 / step_s,
-        "tokens_per_s": batch / step_s,
-        "step_ms": step_s * 1e3,
-        "forward_ms": bare_s * 1e3,
-        "overhead": step_s / bare_s,
-    }
+@dataclass
+class Run:
+    """One timed generate call: prefill seconds and decode tokens/s."""
+
+    wall_s: float
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Row:
+    what: str  # "decode" | "prefill"
+    size: int  # batch (decode) or prompt tokens (prefill)
+    runs: dict[str, list[float]] = field(default_factory=lambda: {"pdserve": [], "hf": []})
+
+    def tok_s(self, side: str) -> float:
+        return statistics.median(self.runs[side])
+
+    def label(self) -> str:
+        return f"decode, batch {self.size}" if self.what == "decode" else f"prefill {self.size}"
+
+
+def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (batch, length), generator=g).tolist()
+
+
+def pdserve_run(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> Run:
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    got: dict[str, int] = {}
+    first: list[float] = []  # when the last request got its first token
+    tokens_at_first = [0]
+
+    def on_output(out: StepOutput) -> None:
+        got[out.request_id] = got.get(out.request_id, 0) + len(out.new_token_ids)
+        if not first and len(got) == len(prompts):
+            first.append(time.perf_counter())
+            tokens_at_first[0] = sum(got.values())
+
+    t0 = time.perf_counter()
+    done = engine.generate(prompts, sp, on_output=on_output)
+    t1 = time.perf_counter()
+    total = sum(len(c.token_ids) for c in done)
+    assert total == len(prompts) * output_len, (total, len(prompts), output_len)
+    return Run(t1 - t0, total - tokens_at_first[0], t1 - first[0])
+
+
+class HFRunner:
+    """transformers `generate` on the same checkpoint, timed per step by a streamer."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    def run(self, prompts: list[list[int]], output_len: int) -> Run:
+        from transformers.generation.streamers import BaseStreamer
+
+        stamps: list[float] = []
+
+        class Stamps(BaseStreamer):  # put(): once for the prompt, then once a step
+            def put(self, value: Any) -> None:
+                stamps.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        ids = torch.tensor(prompts)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                pad_token_id=0,
+                streamer=Stamps(),
+            )
+        t1 = time.perf_counter()
+        assert out.shape == (len(prompts), ids.shape[1] + output_len), out.shape
+        # stamps[1] is the first token's step; output_len - 1 steps follow it.
+        decode_s = stamps[-1] - stamps[1] if output_len > 1 else 0.0
+        return Run(t1 - t0, len(prompts) * (output_len - 1), decode_s)
+
+
+def alternate(repeats: int, *sides: tuple[str, Callable[[], float]]) -> dict[str, list[float]]:
+    """Run each side once to warm up, then `repeats` rounds, alternating."""
+    for _, fn in sides:
+        fn()
+    runs: dict[str, list[float]] = {name: [] for name, _ in sides}
+    for _ in range(repeats):
+        for name, fn in sides:
+            runs[name].append(fn())
+    return runs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--batches", default="1,8,32,64")
+    add_engine_args(ap)
+    ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-transformers", action="store_true", help="time pdserve alone")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.set_defaults(threads=2)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine(
-        EngineConfig(model=model_dir(args.model), max_num_seqs=max(batches), threads=args.threads)
+
+    cfg = engine_config(args)
+    engine = LLMEngine(cfg)
+    hf = None if args.no_transformers else HFRunner(cfg.model, engine.dtype)
+    vocab = engine.model_config.vocab_size
+    torch.set_num_threads(args.threads)  # one setting for both sides
+
+    def sides(prompts: list[list[int]], out_len: int, metric: str) -> list[tuple[str, Any]]:
+        def pick(r: Run) -> float:
+            return r.decode_tok_s if metric == "decode" else len(prompts[0]) / r.wall_s
+
+        s = [("pdserve", lambda: pick(pdserve_run(engine, prompts, out_len)))]
+        if hf is not None:
+            s.append(("hf", lambda: pick(hf.run(prompts, out_len))))
+        return s
+
+    plan = [
+        ("decode", b, prompts_for(b, args.prompt_len, vocab, b), args.output_len) for b in batches
+    ]
+    if args.prefill_len:
+        plan.append(("prefill", args.prefill_len, prompts_for(1, args.prefill_len, vocab, 0), 1))
+    rows: list[Row] = []
+    for what, size, prompts, out_len in plan:
+        rows.append(Row(what, size, alternate(args.repeats, *sides(prompts, out_len, what))))
+        print(f"  {rows[-1].label()}: {rows[-1].runs}", flush=True)
+    engine.check_integrity()
+
+    import transformers
+
+    head = {
+        "model": cfg.model,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": platform.processor() or platform.machine(),
+    }
+    print(
+        f"\nmodel={head['model']} dtype={head['dtype']} threads={head['threads']} "
+        f"prompt={args.prompt_len} output={args.output_len} repeats={args.repeats} "
+        f"torch={head['torch']} transformers={head['transformers']}\n"
     )
-    rows = [bench_batch(engine, b, args.prompt_len, args.steps) for b in batches]
-    print(f"model={engine.config.model} dtype={engine.dtype} threads={torch.get_num_threads()}")
-    print("| batch | steps/s | tokens/s | step ms | forward ms | step/forward |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| what | pdserve tok/s | transformers tok/s | pdserve / transformers |")
+    print("|---|---:|---:|---:|")
+    out_rows = []
     for r in rows:
-        print(
-            f"| {r['batch']} | {r['steps_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-            f"{r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['overhead']:.3f} |"
+        pd_t = r.tok_s("pdserve")
+        hf_t = r.tok_s("hf") if hf is not None else float("nan")
+        print(f"| {r.label()} | {pd_t:.1f} | {hf_t:.1f} | {pd_t / hf_t:.2f} |")
+        out_rows.append(
+            {"what": r.what, "size": r.size, "pdserve_tok_s": pd_t, "transformers_tok_s": hf_t}
+            | {f"{k}_runs": v for k, v in r.runs.items()}
         )
+    if args.json is not None:
+        args.json.write_text(json.dumps(head | {"rows": out_rows}, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch import nn
 
 from common.model.attention import AttentionMetadata, paged_attention
 from common.model.config import ModelConfig, RopeScaling
+from kernels import cpu_linear
 
 
 class RMSNorm(nn.Module):
@@ -24,10 +25,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 as HF does, then cast back.
+        if x.dtype == torch.float32:  # one fused op
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Lower precision: normalised in float32, cast back, then scaled, as HF does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight lives only in oneDNN's prepacked layout (CPU)."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.packed = packed  # opaque layout: a plain attribute, not a parameter
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(x, self.packed, self.bias)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -51,6 +66,7 @@ class RotaryEmbedding:
     """Non-interleaved (rotate-half) RoPE with a float32 cos/sin table.
 
     A plain object, not a module: dtype casts of the model must not touch the table.
+    `table(positions)` is looked up once per forward and shared by every layer.
     """
 
     def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu") -> None:
@@ -59,22 +75,22 @@ class RotaryEmbedding:
         freqs = torch.outer(t, inv)  # [max_pos, head_dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        # rotate_half(x) * sin == roll(x, half) * signed_sin: one roll, no negation per call.
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device)
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, KVH, D]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rope(q, cos, sin), _rope(k, cos, sin)
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) for `positions` ([T]), each [T, 1, head_dim] float32."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: [T, heads, head_dim] (q and k heads side by side) rotated by `table`."""
+    cos, signed_sin = table
     xf = x.float()
-    half = xf.shape[-1] // 2
-    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rot * sin).to(x.dtype)
+    rot = torch.roll(xf, xf.shape[-1] // 2, dims=-1)
+    return torch.addcmul(xf * cos, rot, signed_sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -95,17 +111,16 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k sit side by side: one rotation for both.
+        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
         o = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -133,12 +148,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -166,6 +180,23 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def prepack(self) -> int:
+        """Swap every linear layer for a prepacked one where this CPU supports it
+        (kernels/cpu_linear.py); returns how many were swapped. Call once, after
+        the weights are loaded: the plain weights of swapped layers are dropped
+        (the tied embedding stays, and the LM head gets a packed copy of it)."""
+        swapped = 0
+        for parent in list(self.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                packed = cpu_linear.pack(child.weight)
+                if packed is None:
+                    return swapped  # same dtype and device throughout: none will pack
+                setattr(parent, name, PackedLinear(packed, child.bias))
+                swapped += 1
+        return swapped
+
     @torch.inference_mode()
     def forward(
         self,
@@ -176,8 +207,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope.table(positions)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)
 
     @torch.inference_mode()

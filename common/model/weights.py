@@ -122,9 +122,12 @@ def resolve_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
+    model_dir: str | Path, dtype: str = "auto", device: str = "cpu", prepack: bool = True
 ) -> tuple[LlamaForCausalLM, str]:
-    """Build the model for `model_dir` and load its weights; returns (model, weights hash)."""
+    """Build the model for `model_dir` and load its weights; returns (model, weights hash).
+
+    prepack: on CPU, run the linear layers on oneDNN-prepacked weights where
+    supported (LlamaForCausalLM.prepack); False keeps plain `nn.Linear`."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(cfg, dtype)
@@ -135,4 +138,6 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = RotaryEmbedding(cfg, device)
     weights_hash = load_weights(model, model_dir)
+    if prepack and torch.device(device).type == "cpu":
+        model.prepack()
     return model.eval(), weights_hash
