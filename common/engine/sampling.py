@@ -1,9 +1,17 @@
 """The batched sampler.
 
-Sampling draws with the exponential race (argmax of p / E, E ~ Exp(1)), which
-picks token i with probability p_i. A seeded request draws its noise from a
-generator seeded by (seed, output index), so its output is reproducible whatever
-batch it runs in, after preemption, and on whichever node samples the token.
+A sampled row draws one uniform number u and takes the token where u lands in the
+cumulative distribution of its (temperature-scaled, top-k/top-p filtered)
+probabilities, laid out in token-id order: inverse-CDF sampling, exact, and one
+random number a row instead of one per vocabulary entry. A seeded request draws
+its u from a generator seeded by (seed, output index), so its output is
+reproducible whatever batch it runs in, after preemption, and on whichever node
+samples the token (the token-id order makes it independent of how ties sort).
+
+top-k / top-p work on the row's k most likely tokens (`torch.topk`), not a sort
+of the whole vocabulary: for top-p alone, k starts small and grows until the
+candidates hold top_p of the mass, which is exact (no token outside them can be
+in the nucleus) and, for peaked distributions, a few dozen tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from common.wire.sampling_params import SamplingParams
+
+_FIRST_K = 64  # candidates tried first for a top-p-only row; grown 8x while short
 
 
 def _noise_seed(seed: int, index: int) -> int:
@@ -28,40 +38,85 @@ def sample(
     greedy = [p.greedy for p in params]
     if all(greedy):
         return logits.argmax(dim=-1).tolist()
-    n, vocab = logits.shape
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        probs = _top_k_top_p(probs, params)
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, p in enumerate(params) if p.seed is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_()
+    out = [0] * len(params)
+    if any(greedy):
+        rows = [i for i, g in enumerate(greedy) if g]
+        for i, t in zip(rows, logits[rows].argmax(dim=-1).tolist(), strict=True):
+            out[i] = t
+    rows = [i for i, g in enumerate(greedy) if not g]
+    sp = [params[i] for i in rows]
+    temps = torch.tensor([p.temperature for p in sp], dtype=logits.dtype)
+    probs = torch.softmax(_take(logits, rows) / temps[:, None], dim=-1)
+    u = _uniforms(sp, [output_index[i] for i in rows])
+    filtered = [j for j, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0]
+    plain = [j for j, p in enumerate(sp) if not (p.top_k > 0 or p.top_p < 1.0)]
+    if plain:
+        picked = _inverse_cdf(_take(probs, plain), u[plain])
+        for j, t in zip(plain, picked.tolist(), strict=True):
+            out[rows[j]] = t
+    if filtered:
+        ids, weights = _top_k_top_p(probs[filtered], [sp[j] for j in filtered])
+        pos = _inverse_cdf(weights, u[filtered])
+        picked = ids.gather(-1, pos[:, None])[:, 0]
+        for j, t in zip(filtered, picked.tolist(), strict=True):
+            out[rows[j]] = t
+    return out
+
+
+def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows], without the copy when rows are all of x's rows in order."""
+    return x if len(rows) == x.shape[0] and rows[-1] == len(rows) - 1 else x[rows]
+
+
+def _uniforms(params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
+    """One U[0, 1) draw per row: seeded rows from their own generator, others from torch's."""
+    u = torch.rand(len(params))
     for i, p in enumerate(params):
         if p.seed is not None:
             g = torch.Generator().manual_seed(
                 _noise_seed(p.seed, p.output_index_base + output_index[i])
             )
-            noise[i] = torch.empty(vocab).exponential_(generator=g)
-    sampled = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
-    if any(greedy):
-        sampled = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
-    return sampled.tolist()
+            u[i] = torch.rand(1, generator=g)[0]
+    return u
 
 
-def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero every probability outside each row's top-k / top-p (nucleus) set."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the index where u lands in the cumulative sum of `weights` ([N, n] float32,
+    non-negative, not necessarily normalised). A zero-weight index is never picked: the
+    first index whose running sum exceeds the target is taken, and the target is kept
+    below the row's total even where u * total rounds up to it."""
+    cdf = torch.cumsum(weights, dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
+
+
+def _top_k_top_p(
+    probs: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates of each row in token-id order: (token ids, weights), [N, k] each, where
+    a token outside the row's top-k set or, within it, outside its top-p nucleus (the
+    most likely tokens whose mass before them is under top_p) weighs 0."""
     vocab = probs.shape[-1]
-    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-    ps = torch.tensor([p.top_p for p in params])
-    rank = torch.arange(vocab)[None, :]
-    drop = rank >= ks[:, None]
-    kept = sorted_p.masked_fill(drop, 0.0)
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ps = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+    bounded = [kr for kr in ks if kr < vocab]
+    k = min(vocab, max([_FIRST_K, *bounded]))
+    open_rows = [i for i, kr in enumerate(ks) if kr == vocab]  # top-p alone
+    while True:
+        vals, ids = probs.topk(k, dim=-1)  # sorted, most likely first
+        # Rows without top-k are exact once their candidates hold top_p of the mass.
+        if k == vocab or not open_rows or bool((vals[open_rows].sum(-1) >= ps[open_rows]).all()):
+            break
+        k = min(vocab, k * 8)
+    rank = torch.arange(k)[None, :]
+    drop = rank >= torch.tensor(ks)[:, None]
+    kept = vals.masked_fill(drop, 0.0)
     kept = kept / kept.sum(dim=-1, keepdim=True)
     # Nucleus over the top-k set: keep the smallest prefix whose mass reaches top_p
     # (the most likely token always stays).
     before = kept.cumsum(dim=-1) - kept
     drop |= before >= ps[:, None]
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    weights = vals.masked_fill(drop, 0.0)
+    order = ids.argsort(dim=-1)  # token-id order: the pick does not depend on tie order
+    return ids.gather(-1, order), weights.gather(-1, order)

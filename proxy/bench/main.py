@@ -2,8 +2,10 @@
 vLLM, SGLang, ...): streaming requests on a schedule, latency and throughput per run.
 
     pdserve bench-serve --base-url http://127.0.0.1:8000 --endpoint chat \\
-        --rate 1 2 4 --num-requests 200 --input-len 256 --output-len 64 \\
-        --slo-ttft-ms 500 --slo-tpot-ms 50 --json out/run.json --plot-dir out/
+        --tokenizer ~/.cache/pdserve/models/smollm2-135m-instruct \\
+        --rate 0.25 0.5 --num-requests 30 --input-len 256 --output-len 64 \\
+        --slo-ttft-ms 2000 --slo-tpot-ms 200 --json out/run.json --plot-dir out/
+    (sized for the default model, SmolLM2-135M-Instruct, served on a 2-core CPU)
 
 Each `--rate` value is one run (the same requests, the same seed); a run reports TTFT, TPOT,
 ITL and end-to-end latency (mean, p50, p90, p99), request and token throughput, and goodput

@@ -189,6 +189,44 @@ def test_top_k_top_p_sets_are_exact(top_k, top_p, expected):
     assert set(sample(logits.repeat(n, 1), params, [0] * n)) == expected
 
 
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(temperature=1.0), [0.4, 0.3, 0.2, 0.1]),
+        (SamplingParams(temperature=0.5), [16 / 30, 9 / 30, 4 / 30, 1 / 30]),  # p^(1/T)
+        (SamplingParams(temperature=1.0, top_k=2), [4 / 7, 3 / 7, 0.0, 0.0]),
+        (SamplingParams(temperature=1.0, top_p=0.75), [4 / 9, 3 / 9, 2 / 9, 0.0]),
+    ],
+)
+def test_sampled_frequencies_match_the_distribution(params, expected):
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    n = 20_000
+    torch.manual_seed(0)  # a fixed draw: the test cannot flake
+    unseeded = sample(logits.repeat(n, 1), [params] * n, [0] * n)
+    seeded_params = [params.model_copy(update={"seed": i}) for i in range(n)]
+    seeded = sample(logits.repeat(n, 1), seeded_params, [0] * n)
+    for out in (unseeded, seeded):
+        counts = torch.bincount(torch.tensor(out), minlength=4).double() / n
+        for got, want in zip(counts.tolist(), expected, strict=True):
+            sigma = math.sqrt(want * (1 - want) / n)
+            assert abs(got - want) <= 5 * sigma + 1e-9, (counts.tolist(), expected)
+
+
+@pytest.mark.parametrize("top_k", [-1, 300])
+def test_top_p_over_a_wide_nucleus_is_exact(top_k):
+    # A flat distribution over 5000 tokens: the nucleus holds thousands of them, so the
+    # sampler must widen its candidate set well past the first guess.
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5000, generator=g) * 0.1
+    top_p = 0.5
+    allowed = allowed_tokens(logits.tolist(), 1.0, top_k, top_p)
+    n = 2000
+    params = [SamplingParams(top_p=top_p, top_k=top_k, seed=i) for i in range(n)]
+    out = sample(logits.repeat(n, 1), params, [0] * n)
+    assert set(out) <= allowed
+    assert len(set(out)) > 100  # draws spread over the nucleus, not stuck in the guess
+
+
 def test_tiny_top_p_or_top_k_1_is_argmax():
     logits = random_logits(32, seed=5)
     for p in (SamplingParams(top_p=1e-6, seed=1), SamplingParams(top_k=1, temperature=5.0)):
