@@ -11,10 +11,12 @@ the same random-token prompts, greedy, every request generating exactly
 pdserve, ...), so a load change on a shared machine hits both; each figure is the
 median over --repeats runs.
 
-    decode B    B requests together. Both sides timestamp every step (pdserve through
+    decode B    B requests together, greedy. Both sides timestamp every step (pdserve through
                 `LLMEngine.generate`'s on_output, transformers through a streamer);
                 tokens/s = tokens generated after every request has its first token,
                 divided by the time from that moment to the last token.
+    sampled B   the same with temperature 0.8 and top-p 0.95 (--sampled-batch, 0: none):
+                the sampler's cost (softmax, nucleus, draw) on top of the forward.
     prefill N   one N-token prompt, one output token: N / wall time of the whole call.
 
 The engine runs with the serving defaults (`pdserve up`'s engine flags, which this
@@ -42,6 +44,9 @@ from common.engine.engine import LLMEngine
 from common.engine.scheduler import StepOutput
 from common.wire.sampling_params import SamplingParams
 
+TEMPERATURE = 0.8
+TOP_P = 0.95
+
 
 @dataclass
 class Run:
@@ -58,15 +63,29 @@ class Run:
 
 @dataclass
 class Row:
-    what: str  # "decode" | "prefill"
-    size: int  # batch (decode) or prompt tokens (prefill)
+    what: str  # "decode" | "sampled" | "prefill"
+    size: int  # batch (decode, sampled) or prompt tokens (prefill)
     runs: dict[str, list[float]] = field(default_factory=lambda: {"pdserve": [], "hf": []})
 
     def tok_s(self, side: str) -> float:
         return statistics.median(self.runs[side])
 
     def label(self) -> str:
-        return f"decode, batch {self.size}" if self.what == "decode" else f"prefill {self.size}"
+        if self.what == "prefill":
+            return f"prefill {self.size}"
+        how = "" if self.what == "decode" else f", T={TEMPERATURE} top-p {TOP_P}"
+        return f"decode, batch {self.size}{how}"
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -74,8 +93,11 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int
     return torch.randint(100, vocab, (batch, length), generator=g).tolist()
 
 
-def pdserve_run(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> Run:
-    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def pdserve_run(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, sampled: bool = False
+) -> Run:
+    how = {"temperature": TEMPERATURE, "top_p": TOP_P} if sampled else {"temperature": 0.0}
+    sp = SamplingParams(max_tokens=output_len, ignore_eos=True, **how)
     got: dict[str, int] = {}
     first: list[float] = []  # when the last request got its first token
     tokens_at_first = [0]
@@ -104,7 +126,7 @@ class HFRunner:
         hf_logging.set_verbosity_error()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
-    def run(self, prompts: list[list[int]], output_len: int) -> Run:
+    def run(self, prompts: list[list[int]], output_len: int, sampled: bool = False) -> Run:
         from transformers.generation.streamers import BaseStreamer
 
         stamps: list[float] = []
@@ -122,7 +144,11 @@ class HFRunner:
             out = self.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                do_sample=False,
+                **(
+                    {"do_sample": True, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": 0}
+                    if sampled
+                    else {"do_sample": False}
+                ),
                 max_new_tokens=output_len,
                 min_new_tokens=output_len,
                 pad_token_id=0,
@@ -146,10 +172,11 @@ def alternate(repeats: int, *sides: tuple[str, Callable[[], float]]) -> dict[str
     return runs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_engine_args(ap)
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--sampled-batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prefill-len", type=int, default=1024)
@@ -157,7 +184,7 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true", help="time pdserve alone")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.set_defaults(threads=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
     cfg = engine_config(args)
@@ -166,18 +193,22 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     torch.set_num_threads(args.threads)  # one setting for both sides
 
-    def sides(prompts: list[list[int]], out_len: int, metric: str) -> list[tuple[str, Any]]:
-        def pick(r: Run) -> float:
-            return r.decode_tok_s if metric == "decode" else len(prompts[0]) / r.wall_s
+    def sides(prompts: list[list[int]], out_len: int, what: str) -> list[tuple[str, Any]]:
+        sampled = what == "sampled"
 
-        s = [("pdserve", lambda: pick(pdserve_run(engine, prompts, out_len)))]
+        def pick(r: Run) -> float:
+            return len(prompts[0]) / r.wall_s if what == "prefill" else r.decode_tok_s
+
+        s = [("pdserve", lambda: pick(pdserve_run(engine, prompts, out_len, sampled)))]
         if hf is not None:
-            s.append(("hf", lambda: pick(hf.run(prompts, out_len))))
+            s.append(("hf", lambda: pick(hf.run(prompts, out_len, sampled))))
         return s
 
     plan = [
         ("decode", b, prompts_for(b, args.prompt_len, vocab, b), args.output_len) for b in batches
     ]
+    if b := args.sampled_batch:
+        plan.append(("sampled", b, prompts_for(b, args.prompt_len, vocab, b), args.output_len))
     if args.prefill_len:
         plan.append(("prefill", args.prefill_len, prompts_for(1, args.prefill_len, vocab, 0), 1))
     rows: list[Row] = []
@@ -197,12 +228,12 @@ def main() -> None:
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
     }
     print(
         f"\nmodel={head['model']} dtype={head['dtype']} threads={head['threads']} "
         f"prompt={args.prompt_len} output={args.output_len} repeats={args.repeats} "
-        f"torch={head['torch']} transformers={head['transformers']}\n"
+        f"torch={head['torch']} transformers={head['transformers']} cpu={head['cpu']}\n"
     )
     print("| what | pdserve tok/s | transformers tok/s | pdserve / transformers |")
     print("|---|---:|---:|---:|")

@@ -1,12 +1,16 @@
 """The helpers of scripts/compare_disagg.sh: the mixed workload it writes and the report it
-builds from two bench-serve results (their JSON made by bench-serve's own summarize)."""
+builds from two bench-serve results (their JSON made by bench-serve's own summarize); and
+scripts/bench_engine.py's rows."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 from common.text.tokenizer import Tokenizer
 from proxy.bench.client import RequestResult
@@ -19,6 +23,7 @@ def _script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -77,3 +82,23 @@ def test_report_has_both_rows_a_verdict_and_the_plots(tmp_path: Path) -> None:
     assert "TTFT p50: tie" in text and "goodput: **1P1D**" in text
     assert "](colocated/cdf-rate1.png)" in text and "](disagg/cdf-rate1.png)" in text
     assert (tmp_path / "compare.png").stat().st_size > 0
+
+
+def test_bench_engine_times_both_engines_on_every_row(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "engine.json"
+    argv = ["--model", str(tiny_model_dir), "--batches", "1,3", "--sampled-batch", "2"]
+    argv += ["--prompt-len", "8", "--output-len", "4", "--prefill-len", "32", "--repeats", "2"]
+    threads = torch.get_num_threads()
+    try:
+        _script("bench_engine").main([*argv, "--threads", "1", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # the script sets the process's torch threads
+    data = json.loads(out.read_text())
+    assert data["threads"] == 1 and data["dtype"] == "float32"
+    rows = data["rows"]
+    assert [(r["what"], r["size"]) for r in rows] == [
+        ("decode", 1), ("decode", 3), ("sampled", 2), ("prefill", 32)
+    ]  # fmt: skip
+    for r in rows:
+        assert len(r["pdserve_runs"]) == len(r["hf_runs"]) == 2
+        assert r["pdserve_tok_s"] > 0 and r["transformers_tok_s"] > 0
