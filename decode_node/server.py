@@ -79,7 +79,12 @@ class DecodeNode(TransferNode):
         self.check_admitting()
         received = time.time()
         msg = await read_message(request, DecodeRequest)
-        self.engine.validate(msg.prompt_token_ids, msg.sampling)
+        # Everything the handle and the request claim is checked here, before any block is
+        # reserved or any byte reaches the engine thread.
+        self.engine.validate_prefilled(
+            msg.prompt_token_ids, msg.first_token_id, msg.sampling, msg.kv.num_tokens,
+            msg.kv.num_blocks,
+        )  # fmt: skip
         blocks = await self.front.reserve(msg.request_id, msg.kv.num_tokens)
         if blocks is None:
             raise ApiError(503, "decode node is full", type=SERVER_ERROR, code="decode_full")

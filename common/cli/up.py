@@ -13,7 +13,9 @@ every thread torch starts inherits it; the proxy, in this process, stays on the 
 Start-up waits for every node's ready line (or a 200 from its /health); a node that exits or
 does not get ready in time fails the launch with the tail of its log. SIGINT/SIGTERM stop the
 proxy (draining in-flight requests), then the nodes (SIGTERM, SIGKILL after a grace period);
-the exit status is then 0.
+the exit status is then 0. A node that exits while the service runs (a crash, a SIGKILL, an
+engine thread that died) is restarted on the same address after a backoff, at most
+`--max-restarts` times (`supervise`); the proxy takes it back once its /health answers.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class UpConfig:
     lease_s: float = 30.0
     interstage_capacity: int = 256
     demo_prompt: str | None = None  # stream one chat completion through the proxy at start
+    max_restarts: int = 5  # per node; a node that exits is restarted after a backoff
+    restart_backoff_s: float = 1.0  # doubled after each restart of the same node, up to 30 s
 
     def __post_init__(self) -> None:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
@@ -78,6 +82,8 @@ class UpConfig:
             raise ValueError("--prefill and --decode must be >= 1 (or use --colocated)")
         if self.threads_per_node < 1:
             raise ValueError(f"--threads-per-node must be >= 1, got {self.threads_per_node}")
+        if self.max_restarts < 0 or self.restart_backoff_s <= 0:
+            raise ValueError("--max-restarts must be >= 0 and the restart backoff > 0")
         if self.startup_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("--startup-timeout-s and --stop-grace-s must be positive")
         if self.pin_cores:
@@ -127,6 +133,7 @@ class NodeProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.ready = False
         self.stopping = False
+        self.restarts = 0
         self._proc: asyncio.subprocess.Process | None = None
         self._pump: asyncio.Task[None] | None = None
 
@@ -137,8 +144,13 @@ class NodeProcess:
     def exited(self) -> bool:
         return self._proc is not None and self._proc.returncode is not None
 
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc is not None else None
+
     async def start(self) -> None:
-        log_file = open(self.log_path, "wb")  # closed by the pump
+        self.ready = False
+        log_file = open(self.log_path, "ab" if self.restarts else "wb")  # closed by the pump
         self._proc = await asyncio.create_subprocess_exec(
             *self.argv,
             stdout=asyncio.subprocess.PIPE,
@@ -205,6 +217,39 @@ class NodeProcess:
                     proc.kill()
                 await proc.wait()
         await self._drain_output()
+
+
+async def supervise(cfg: UpConfig, nodes: list[NodeProcess], poll_s: float = 0.5) -> None:
+    """Restart every node that exits on its own (a crash, a SIGKILL, an engine that died and
+    made it exit), on the same address and flags, after a backoff that doubles per restart
+    of that node; after `cfg.max_restarts` restarts a node is left down. The proxy takes a
+    restarted node back when its /health answers 200 again. Runs until cancelled."""
+    while True:
+        await asyncio.sleep(poll_s)
+        for node in nodes:
+            if node.stopping or not node.exited():
+                continue
+            if node.restarts >= cfg.max_restarts:
+                node.stopping = True  # given up: not looked at again
+                log.error(
+                    "%s exited with %s and was restarted %d times already: leaving it down",
+                    node.name, node.returncode, node.restarts,
+                )  # fmt: skip
+                continue
+            delay = min(30.0, cfg.restart_backoff_s * 2**node.restarts)
+            node.restarts += 1
+            log.warning(
+                "%s exited with %s; restarting it in %.1f s (restart %d of at most %d)",
+                node.name, node.returncode, delay, node.restarts, cfg.max_restarts,
+            )  # fmt: skip
+            await asyncio.sleep(delay)
+            await node.start()
+            try:
+                await node.wait_ready(cfg.startup_timeout_s)
+            except LaunchError as e:
+                log.error("restarting %s failed: %s", node.name, e)
+                continue
+            log.warning("%s restarted (pid %s)", node.name, node.pid)
 
 
 async def _health_ok(session: aiohttp.ClientSession, url: str) -> bool:
@@ -297,6 +342,7 @@ async def up(cfg: UpConfig) -> int:
     _log_traces_to(log_dir / "traces.jsonl")
     nodes = plan_nodes(cfg, log_dir)
     proxy: RunningProxy | None = None
+    supervisor: asyncio.Future[None] | None = None
     startup = asyncio.ensure_future(start_service(cfg, nodes))
     stopped = asyncio.ensure_future(stop.wait())
     try:
@@ -304,6 +350,7 @@ async def up(cfg: UpConfig) -> int:
         if not startup.done():  # interrupted while starting
             return 0
         proxy = startup.result()
+        supervisor = asyncio.ensure_future(supervise(cfg, nodes))
         _print_banner(cfg, proxy, nodes, log_dir)
         if cfg.demo_prompt:
             await _demo(proxy.url, proxy.parts.model_name, cfg.demo_prompt)
@@ -314,9 +361,10 @@ async def up(cfg: UpConfig) -> int:
         print(f"pdserve up: error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        for task in (startup, stopped):
+        tasks = [t for t in (startup, stopped, supervisor) if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(startup, stopped, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if proxy is not None:
             await proxy.stop()
         await asyncio.gather(*(node.stop(cfg.stop_grace_s) for node in nodes))
@@ -389,6 +437,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         node_args=tuple(engine_flags(args) + shlex.split(args.node_args)),
         startup_timeout_s=args.startup_timeout_s,
         stop_grace_s=args.stop_grace_s,
+        max_restarts=args.max_restarts,
         log_dir=args.log_dir,
         demo_prompt=args.demo,
         lease_s=args.lease_s,

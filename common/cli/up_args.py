@@ -35,6 +35,12 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--node-args", default="", help="more node flags, one shell-quoted string")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     p.add_argument("--stop-grace-s", type=float, default=20.0)
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of a node that exits while serving (backoff 1, 2, 4 ... 30 s): %(default)s",
+    )
     p.add_argument("--log-dir", default=None, help="node logs (default: a new temp dir)")
     p.add_argument("--lease-s", type=float, default=30.0)
     p.add_argument("--interstage-capacity", type=int, default=256)

@@ -220,6 +220,37 @@ class LLMEngine:
                 f"prompt + max_tokens needs {total} tokens of KV; this node holds {capacity}"
             )
 
+    def validate_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        sampling: SamplingParams,
+        kv_num_tokens: int,
+        kv_num_blocks: int,
+    ) -> None:
+        """`validate`, for a request prefilled elsewhere, plus what its KV handle claims: its
+        first token is in the vocabulary, its KV covers exactly the prompt, in as many blocks
+        as this node's block size needs. Raises RequestError."""
+        self.validate(prompt_token_ids, sampling)
+        vocab = self.model_config.vocab_size
+        if not 0 <= first_token_id < vocab:
+            raise RequestError(f"first_token_id must be in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n + sampling.max_tokens > self.max_model_len:  # the proxy fits max_tokens first
+            raise RequestError(
+                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                f"context of {self.max_model_len}"
+            )
+        if kv_num_tokens != n:
+            raise RequestError(f"the KV handle holds {kv_num_tokens} tokens; the prompt has {n}")
+        bs = self.config.block_size
+        need = -(-n // bs)
+        if kv_num_blocks != need:
+            raise RequestError(
+                f"the KV handle has {kv_num_blocks} blocks; {n} tokens at block size {bs} "
+                f"need {need} (block sizes differ?)"
+            )
+
     # -- the offline API --------------------------------------------------------
 
     def generate(

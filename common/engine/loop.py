@@ -109,6 +109,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._loop = loop
         self._thread = EngineThread(engine, self._publish_threadsafe, step_delay_s=step_delay_s)
+        self.died = asyncio.Event()  # set on this loop once the engine thread died
 
     async def start(self) -> None:
         self._thread.start()
@@ -222,6 +223,7 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         if not outputs and self._thread.error is not None:
+            self.died.set()
             for rid, q in self._queues.items():
                 q.put_nowait(StepOutput(rid, [], True, None, OutputKind.ENGINE_DEAD))
             return

@@ -309,3 +309,57 @@ def test_internal_apis_reject_malformed_messages(cluster: Cluster) -> None:
     for proc in cluster.procs:
         assert proc.alive(), proc.log_tail()
     cluster.wait_baseline()
+
+
+def test_a_decode_request_that_lies_about_its_prefill_is_refused(cluster: Cluster) -> None:
+    """Issue 13's crash: after a real prefill, a DecodeRequest for the same handle whose
+    first token is outside the vocabulary reached the embedding and killed the decode
+    engine thread. Every claim the request or its handle makes is now checked first."""
+    from common.wire.node_messages import DecodeRequest, PrefillRequest, PrefillResult, to_json
+    from common.wire.sampling_params import SamplingParams
+
+    prefill, decode = cluster.nodes()
+    sampling = SamplingParams(temperature=0.0, max_tokens=4)
+    prompt = list(range(5, 45))  # 40 tokens: 3 blocks of 16
+    status, raw = post(
+        prefill.url + "/internal/prefill",
+        to_json(
+            PrefillRequest(
+                request_id="liar", prompt_token_ids=prompt, sampling=sampling, lease_s=60
+            )
+        ),
+    )
+    assert status == 200, raw
+    result = PrefillResult.model_validate_json(raw)
+    assert result.kv is not None
+    kv = result.kv
+    good = DecodeRequest(
+        request_id="liar", prompt_token_ids=prompt, first_token_id=result.first_token_id,
+        sampling=sampling, kv=kv,
+    )  # fmt: skip
+    lies = {
+        "first token outside the vocabulary": {"first_token_id": 10**9},
+        "negative first token": {"first_token_id": -1},
+        "a prompt token outside the vocabulary": {"prompt_token_ids": [*prompt[:-1], VOCAB]},
+        "a short handle": {"kv": kv.model_copy(update={"num_tokens": 16, "num_blocks": 1})},
+        "a handle longer than the prompt": {"prompt_token_ids": prompt[:20]},
+        "blocks that do not match the tokens": {"kv": kv.model_copy(update={"num_blocks": 2})},
+        "max_tokens beyond the context": {
+            "sampling": sampling.model_copy(update={"max_tokens": 10**6})
+        },
+    }
+    for what, change in lies.items():
+        status, raw = post(decode.url + "/internal/decode", to_json(good.model_copy(update=change)))
+        assert 400 <= status < 500, (what, status, raw)
+        _check_error(status, raw)
+        with urllib.request.urlopen(decode.url + "/health", timeout=10) as health:
+            assert health.status == 200, what
+    # The held KV is untouched by the refusals: the true request still decodes from it.
+    status, raw = post(decode.url + "/internal/decode", to_json(good))
+    assert status == 200, raw
+    lines = [json.loads(line) for line in raw.decode().splitlines()]
+    assert lines[-1]["finish_reason"] == "length" and lines[-1]["error"] is None
+    assert sum(len(line["token_ids"]) for line in lines) == 3  # the first came from prefill
+    for proc in cluster.procs:
+        assert proc.alive(), proc.log_tail()
+    cluster.wait_baseline()

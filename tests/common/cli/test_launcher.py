@@ -1,6 +1,6 @@
 """`pdserve up`'s process handling with stand-in node commands (no engine): ready detection,
 a node that dies at start-up (its log tail in the error), stop by SIGTERM then SIGKILL, and
-the node command lines it plans."""
+the node command lines it plans; restarting a node that exits while serving."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from common.cli.main import build_parser
-from common.cli.up import LaunchError, NodeProcess, UpConfig, engine_flags, plan_nodes
+from common.cli.up import (
+    LaunchError,
+    NodeProcess,
+    UpConfig,
+    engine_flags,
+    plan_nodes,
+    supervise,
+)
 
 READY = "print('pdserve node ready: http://127.0.0.1:1', flush=True)"
 
@@ -138,5 +145,67 @@ def test_a_pinned_node_runs_on_its_cores(tmp_path: Path) -> None:
         finally:
             await node.stop(5.0)
         assert f"cpus [{core}]" in (tmp_path / "pinned.log").read_text()
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def _flaky(tmp_path: Path, crashes: int) -> str:
+    """A stand-in node that gets ready, then exits with status 7 on its first `crashes` runs
+    (counted in a file) and stays up after that."""
+    runs = tmp_path / "runs"
+    return (
+        "import pathlib, sys, time\n"
+        f"f = pathlib.Path({str(runs)!r})\n"
+        "n = int(f.read_text()) if f.exists() else 0\n"
+        "f.write_text(str(n + 1))\n"
+        f"{READY}\n"
+        f"if n < {crashes}:\n"
+        "    time.sleep(0.2)\n"
+        "    sys.exit(7)\n"
+        "time.sleep(60)\n"
+    )
+
+
+@pytest.mark.e2e
+def test_a_node_that_exits_while_serving_is_restarted(tmp_path: Path) -> None:
+    cfg = UpConfig(model="M", max_restarts=3, restart_backoff_s=0.05)
+
+    async def body() -> None:
+        node = _node(tmp_path, _flaky(tmp_path, crashes=2))
+        await node.start()
+        await node.wait_ready(10.0)
+        supervisor = asyncio.ensure_future(supervise(cfg, [node], poll_s=0.05))
+        try:
+            while (tmp_path / "runs").read_text() != "3" or not node.ready:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the third run stays up
+            assert not node.exited() and node.restarts == 2
+        finally:
+            supervisor.cancel()
+            await node.stop(5.0)
+        # One log across restarts: every run's output is kept.
+        assert (tmp_path / "n.log").read_text().count("pdserve node ready") == 3
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+@pytest.mark.e2e
+def test_a_node_that_keeps_exiting_is_left_down_after_max_restarts(tmp_path: Path) -> None:
+    cfg = UpConfig(model="M", max_restarts=2, restart_backoff_s=0.05)
+
+    async def body() -> None:
+        node = _node(tmp_path, _flaky(tmp_path, crashes=100))
+        await node.start()
+        await node.wait_ready(10.0)
+        supervisor = asyncio.ensure_future(supervise(cfg, [node], poll_s=0.05))
+        try:
+            while not node.stopping:  # set when the supervisor gives up on it
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            assert node.exited() and node.returncode == 7
+            assert node.restarts == 2 and (tmp_path / "runs").read_text() == "3"
+        finally:
+            supervisor.cancel()
+            await node.stop(5.0)
 
     asyncio.run(asyncio.wait_for(body(), 30))
