@@ -64,7 +64,7 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
         stage = result.stage.value if result.stage is not None else ""
         traces.record(result.request_id, event, owner=url, detail=stage)
 
-    client = NodeClient(settings.timeouts, on_cancel)
+    client = NodeClient(settings.timeouts, on_cancel, settings.cluster_token)
     roles = {Role.BOTH} if settings.colocated_mode else {Role.PREFILL, Role.DECODE}
     registry = NodeRegistry(client, RegistryConfig(settings.poll_interval_s, frozenset(roles)))
     for role, urls in settings.node_urls().items():
@@ -78,7 +78,11 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
         tokenizer,
         settings.model_name(),
         max_model_len,
-        config=ProxyConfig(max_body_bytes=settings.max_body_bytes),
+        config=ProxyConfig(
+            max_body_bytes=settings.max_body_bytes,
+            cluster_token=settings.cluster_token,
+            api_key=settings.api_key,
+        ),
         hooks=MultiHooks(ProxyMetrics(metrics), TraceHooks(traces, metrics)),
         health_check=_health_check(registry, roles),
     )

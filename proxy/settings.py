@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from common.wire.auth import CLUSTER_TOKEN_ENV, is_loopback
 from proxy.pool.client import NodeTimeouts
 from proxy.pool.node_state import Role
 
@@ -34,8 +35,19 @@ class ProxySettings:
     timeouts: NodeTimeouts = field(default_factory=NodeTimeouts)
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout_s: float = 10.0
+    # Secrets (common/wire/auth.py): the cluster token is sent to every node and required on
+    # /admin/* and /debug/*; the API key is required on /v1/*. None: not checked.
+    cluster_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+    insecure: bool = False  # allow a non-loopback host without a cluster token
 
     def __post_init__(self) -> None:
+        if self.cluster_token is None and not self.insecure and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to listen on {self.host} without a cluster token (its /admin/* "
+                f"would be open): give --cluster-token-file or ${CLUSTER_TOKEN_ENV}, or "
+                "--insecure to accept the risk"
+            )
         if self.mode not in ("disagg", "colocated"):
             raise ValueError(f"mode must be disagg or colocated, got {self.mode!r}")
         if self.colocated_mode and (self.prefill or self.decode):

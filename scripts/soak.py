@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.tiny.corpus import CORPUS  # noqa: E402
+from common.wire.auth import CLUSTER_TOKEN_ENV  # noqa: E402
 
 TIMEOUT = aiohttp.ClientTimeout(total=300, sock_connect=5)
 CONTROL = aiohttp.ClientTimeout(total=10)
@@ -145,7 +147,10 @@ async def run_load(url: str, jobs: list[Job], concurrency: int, progress: bool) 
 
 
 async def node_states(url: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session:
+    # `pdserve up` guards /admin/* and the nodes' /state with its cluster token.
+    token = os.environ.get(CLUSTER_TOKEN_ENV)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession(headers=headers) as session:
         async with session.get(f"{url}/admin/nodes", timeout=CONTROL) as resp:
             nodes = (await resp.json())["nodes"]
         states = {}
@@ -223,6 +228,8 @@ def start_service(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], st
     if args.model:
         argv += ["--model", args.model]
     log = open(Path(args.log_dir) / "soak-up.log", "wb")  # noqa: SIM115
+    # The service's cluster token: ours, so node_states can read the nodes' /state.
+    os.environ.setdefault(CLUSTER_TOKEN_ENV, secrets.token_urlsafe(24))
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -13,6 +13,7 @@ from common.cli.engine_args import engine_config
 from common.cli.logs import setup_logging
 from common.node.server import NodeConfig, NodeRuntime, NodeServer
 from common.node.transfer import start_agent
+from common.wire.auth import CLUSTER_TOKEN_ENV, read_secret
 from decode_node.colocated import ColocatedNode
 from decode_node.server import DecodeNode
 from kv_transfer.config import TransferConfig
@@ -48,6 +49,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         engine_id=args.engine_id,
         kv_wait_timeout_s=args.kv_wait_timeout,
         drain_timeout_s=args.drain_timeout,
+        cluster_token=read_secret(args.cluster_token_file, CLUSTER_TOKEN_ENV),
+        insecure=args.insecure,
         debug_step_delay_s=args.debug_step_delay,
         debug_transfer_delay_s=args.debug_transfer_delay,
     )

@@ -20,6 +20,17 @@ def add_node_args(p: argparse.ArgumentParser, role: NodeRole | None) -> None:
     p.add_argument("--kv-port", type=int, default=0, help="KV side-channel port (0: any)")
     p.add_argument("--kv-wait-timeout", type=float, default=30.0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--cluster-token-file",
+        default=None,
+        help="file holding the secret shared with the proxy (else $PDSERVE_CLUSTER_TOKEN); "
+        "internal endpoints refuse requests without it",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening on a non-loopback address without a cluster token",
+    )
     d = p.add_argument_group("fault injection (tests and drills; keep 0 in production)")
     d.add_argument("--debug-step-delay", type=float, default=0.0, help="sleep after each step")
     d.add_argument(

@@ -53,8 +53,29 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--stream-timeout-s", type=float, default=NodeTimeouts.read_line_s)
     t.add_argument("--shutdown-timeout-s", type=float, default=10.0)
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    add_auth_args(p)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def add_auth_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("authentication")
+    a.add_argument(
+        "--cluster-token-file",
+        default=None,
+        help="file holding the secret shared with the nodes (else $PDSERVE_CLUSTER_TOKEN): "
+        "sent to them, and required on /admin/* and /debug/*",
+    )
+    a.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (else $PDSERVE_API_KEY, if set)",
+    )
+    a.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening on a non-loopback address without a cluster token",
+    )
 
 
 def split_urls(values: list[str]) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -45,6 +46,7 @@ import aiohttp
 from common.cli.logs import setup_logging
 from common.cli.models import model_dir
 from common.cli.up_args import engine_flags
+from common.wire.auth import API_KEY_ENV, CLUSTER_TOKEN_ENV, bearer, read_secret
 from proxy.main import RunningProxy, start_proxy
 from proxy.settings import ProxySettings
 
@@ -73,6 +75,10 @@ class UpConfig:
     interstage_capacity: int = 256
     demo_prompt: str | None = None  # stream one chat completion through the proxy at start
     max_restarts: int = 5  # per node; a node that exits is restarted after a backoff
+    # The secret shared by the proxy and the nodes; None: a new one for this run, written to
+    # <log dir>/cluster-token (mode 0600). api_key: required on the proxy's /v1/* if set.
+    cluster_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
     restart_backoff_s: float = 1.0  # doubled after each restart of the same node, up to 30 s
 
     def __post_init__(self) -> None:
@@ -127,9 +133,11 @@ class NodeProcess:
         url: str,
         log_path: Path,
         cpus: frozenset[int] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name, self.role, self.argv, self.url, self.log_path = name, role, argv, url, log_path
         self.cpus = cpus
+        self.env = env or {}  # added to ours (secrets go here, never on the command line)
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.ready = False
         self.stopping = False
@@ -155,7 +163,7 @@ class NodeProcess:
             *self.argv,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             start_new_session=True,
             preexec_fn=functools.partial(_child_setup, self.cpus),
             limit=2**20,
@@ -281,7 +289,8 @@ def free_port(host: str = NODE_HOST) -> int:
         return int(s.getsockname()[1])
 
 
-def plan_nodes(cfg: UpConfig, log_dir: Path) -> list[NodeProcess]:
+def plan_nodes(cfg: UpConfig, log_dir: Path, cluster_token: str | None = None) -> list[NodeProcess]:
+    env = {CLUSTER_TOKEN_ENV: cluster_token} if cluster_token is not None else {}
     nodes = []
     counts: dict[str, int] = {}
     for role, cpus in zip(cfg.roles(), cfg.node_cpus(), strict=True):
@@ -295,11 +304,13 @@ def plan_nodes(cfg: UpConfig, log_dir: Path) -> list[NodeProcess]:
             argv += ["--kv-backend", cfg.kv_backend]
         argv += list(cfg.node_args)
         url = f"http://{NODE_HOST}:{port}"
-        nodes.append(NodeProcess(name, role, argv, url, log_dir / f"{name}.log", cpus))
+        nodes.append(NodeProcess(name, role, argv, url, log_dir / f"{name}.log", cpus, env))
     return nodes
 
 
-async def start_service(cfg: UpConfig, nodes: list[NodeProcess]) -> RunningProxy:
+async def start_service(
+    cfg: UpConfig, nodes: list[NodeProcess], cluster_token: str | None = None
+) -> RunningProxy:
     """Start every node, wait until each is ready, then the proxy in front of them."""
     for node in nodes:
         await node.start()
@@ -315,6 +326,8 @@ async def start_service(cfg: UpConfig, nodes: list[NodeProcess]) -> RunningProxy
         mode="colocated" if cfg.colocated else "disagg",
         lease_s=cfg.lease_s,
         interstage_capacity=cfg.interstage_capacity,
+        cluster_token=cluster_token,
+        api_key=cfg.api_key,
     )
     try:
         return await start_proxy(settings)
@@ -340,10 +353,11 @@ async def up(cfg: UpConfig) -> int:
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     _log_traces_to(log_dir / "traces.jsonl")
-    nodes = plan_nodes(cfg, log_dir)
+    token = cfg.cluster_token or _new_cluster_token(log_dir)
+    nodes = plan_nodes(cfg, log_dir, token)
     proxy: RunningProxy | None = None
     supervisor: asyncio.Future[None] | None = None
-    startup = asyncio.ensure_future(start_service(cfg, nodes))
+    startup = asyncio.ensure_future(start_service(cfg, nodes, token))
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({startup, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -353,7 +367,7 @@ async def up(cfg: UpConfig) -> int:
         supervisor = asyncio.ensure_future(supervise(cfg, nodes))
         _print_banner(cfg, proxy, nodes, log_dir)
         if cfg.demo_prompt:
-            await _demo(proxy.url, proxy.parts.model_name, cfg.demo_prompt)
+            await _demo(proxy.url, proxy.parts.model_name, cfg.demo_prompt, cfg.api_key)
         await stopped
         print("pdserve up: stopping", file=sys.stderr, flush=True)
         return 0
@@ -370,6 +384,17 @@ async def up(cfg: UpConfig) -> int:
         await asyncio.gather(*(node.stop(cfg.stop_grace_s) for node in nodes))
 
 
+def _new_cluster_token(log_dir: Path) -> str:
+    """A fresh secret for this run's proxy and nodes, also written (0600) to the log dir for
+    an operator's calls to /admin/* and the nodes' /state."""
+    token = secrets.token_urlsafe(32)
+    path = log_dir / "cluster-token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
 def _print_banner(
     cfg: UpConfig, proxy: RunningProxy, nodes: list[NodeProcess], log_dir: Path
 ) -> None:
@@ -382,8 +407,11 @@ def _print_banner(
         *(f"  {n.name:<10} {n.url}  (pid {n.pid}{_cpus_note(n.cpus)})" for n in nodes),
         f"pdserve proxy ready: {proxy.url}",
         f"node logs and request traces (traces.jsonl): {log_dir}",
+        "cluster token (Bearer, for /admin/*, /debug/* and the nodes' internal endpoints): "
+        + ("as given" if cfg.cluster_token else str(log_dir / "cluster-token")),
         "try:",
         f"  curl -N {proxy.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        *(["    -H 'Authorization: Bearer <your --api-key>' \\"] if cfg.api_key else []),
         f"    -d '{body}'",
         "Ctrl-C stops the proxy and every node.",
     ]
@@ -394,7 +422,7 @@ def _cpus_note(cpus: frozenset[int] | None) -> str:
     return "" if cpus is None else f", cpus {_cpu_list(cpus)}"
 
 
-async def _demo(url: str, model: str, prompt: str) -> None:
+async def _demo(url: str, model: str, prompt: str, api_key: str | None = None) -> None:
     """Stream one chat completion through the proxy's OpenAI API, printing tokens as they come."""
     body = {
         "model": model,
@@ -407,7 +435,10 @@ async def _demo(url: str, model: str, prompt: str) -> None:
     timeout = aiohttp.ClientTimeout(total=120, sock_connect=5)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            headers = bearer(api_key) if api_key else {}
+            async with session.post(
+                f"{url}/v1/chat/completions", json=body, headers=headers
+            ) as resp:
                 async for raw in resp.content:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -438,6 +469,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout_s,
         stop_grace_s=args.stop_grace_s,
         max_restarts=args.max_restarts,
+        cluster_token=read_secret(args.cluster_token_file, CLUSTER_TOKEN_ENV),
+        api_key=args.api_key or read_secret(None, API_KEY_ENV),
         log_dir=args.log_dir,
         demo_prompt=args.demo,
         lease_s=args.lease_s,

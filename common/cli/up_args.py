@@ -50,6 +50,18 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=None,
         help="once serving, stream one chat completion for PROMPT through the proxy",
     )
+    a = p.add_argument_group("authentication")
+    a.add_argument(
+        "--cluster-token-file",
+        default=None,
+        help="the proxy's and nodes' shared secret (else $PDSERVE_CLUSTER_TOKEN, else a new "
+        "one for this run, written to <log dir>/cluster-token)",
+    )
+    a.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (else $PDSERVE_API_KEY, if set)",
+    )
     add_engine_args(p)
     p.set_defaults(func=lazy("common.cli.up", "cmd_up"))
 

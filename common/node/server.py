@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from common.engine.config import EngineConfig
@@ -26,6 +27,7 @@ from common.engine.engine import LLMEngine, RequestError
 from common.engine.loop import AsyncEngine
 from common.engine.scheduler import StepOutput
 from common.node.metrics import NodeMetrics
+from common.wire.auth import CLUSTER_TOKEN_ENV, auth_middleware, is_loopback
 from common.wire.errors import SERVER_ERROR, ApiError, error_response, invalid_request
 from common.wire.fingerprint import Fingerprint
 from common.wire.messages import Cancel, Message, MessageError
@@ -54,8 +56,17 @@ class NodeConfig:
     # before posting each KV write, so a request can be caught in a given stage.
     debug_step_delay_s: float = 0.0
     debug_transfer_delay_s: float = 0.0
+    # The secret shared with the proxy (common/wire/auth.py): internal endpoints refuse a
+    # request without it. None: open, which only a loopback address (or `insecure`) allows.
+    cluster_token: str | None = field(default=None, repr=False)
+    insecure: bool = False
 
     def __post_init__(self) -> None:
+        if self.cluster_token is None and not self.insecure and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to listen on {self.host} without a cluster token: give "
+                f"--cluster-token-file or ${CLUSTER_TOKEN_ENV} (or --insecure to accept the risk)"
+            )
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.kv_wait_timeout_s <= 0 or self.drain_timeout_s < 0:
@@ -109,7 +120,15 @@ class NodeServer:
     async def start(self) -> str:
         """Start the role's background tasks, then serve HTTP; the URL served."""
         self.start_role()
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_middleware])
+        if self.config.cluster_token is None and not is_loopback(self.config.host):
+            log.warning(
+                "listening on %s with no cluster token (--insecure): anyone who reaches this "
+                "port can drive the node", self.config.host,
+            )  # fmt: skip
+        middlewares: list[Middleware] = [_errors_middleware]
+        if self.config.cluster_token is not None:
+            middlewares.append(auth_middleware(self.config.cluster_token))
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.add_routes(self.routes())
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
         await self._runner.setup()

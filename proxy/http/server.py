@@ -19,12 +19,14 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import hdrs, web
+from aiohttp.typedefs import Middleware
 
 from common.text.tokenizer import Tokenizer
+from common.wire.auth import auth_middleware
 from proxy.http.backend import TokenBackend
 from proxy.http.errors import NOT_FOUND, ApiError, internal_error, invalid_request
 from proxy.http.generation import Generation, collect, write_stream
@@ -53,6 +55,8 @@ HealthCheck = Callable[[], Awaitable[bool]]
 @dataclass(frozen=True)
 class ProxyConfig:
     max_body_bytes: int = 4 * 2**20  # larger bodies get 413
+    cluster_token: str | None = field(default=None, repr=False)  # for /admin/*, /debug/*
+    api_key: str | None = field(default=None, repr=False)  # for /v1/*
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -263,7 +267,10 @@ def build_app(
     server = ProxyServer(
         backend, tokenizer, model_name, max_model_len, config, hooks or ProxyHooks(), health_check
     )
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    middlewares: list[Middleware] = [error_middleware]
+    if config.cluster_token is not None or config.api_key is not None:
+        middlewares.append(auth_middleware(config.cluster_token, config.api_key))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[PROXY_KEY] = server
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)

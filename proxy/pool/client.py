@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from common.wire.auth import bearer
 from common.wire.messages import Cancel, Message, MessageError
 from common.wire.node_messages import (
     CancelResult,
@@ -159,16 +160,20 @@ class NodeClient:
         self,
         timeouts: NodeTimeouts | None = None,
         on_cancel: Callable[[str, CancelResult], None] | None = None,
+        cluster_token: str | None = None,
     ) -> None:
         self.timeouts = timeouts or NodeTimeouts()
         self.on_cancel = on_cancel  # told each node's answer to a cancel (for the trace)
+        self._headers = bearer(cluster_token) if cluster_token is not None else {}
         self._session: aiohttp.ClientSession | None = None
         self._cancels: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, headers=self._headers
+        )
 
     async def close(self) -> None:
         if self._cancels:

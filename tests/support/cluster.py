@@ -8,13 +8,15 @@ runs it.
 
 from __future__ import annotations
 
+import secrets
 import signal
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.wire.auth import CLUSTER_TOKEN_ENV, bearer
 from tests.support import procs
 from tests.support.http import free_port, http_json
 
@@ -26,17 +28,23 @@ class Server(procs.Proc):
     """A node or proxy process and the URL it serves."""
 
     url: str = ""
+    auth: dict[str, str] = field(default_factory=dict)  # the cluster token's header, if any
 
     def state(self) -> dict[str, Any]:
-        return http_json(f"{self.url}/state", timeout=5.0)
+        return http_json(f"{self.url}/state", timeout=5.0, headers=self.auth)
 
 
 class Cluster:
     """Starts nodes and a proxy; `close()` (or leaving the `with`) stops them all."""
 
-    def __init__(self, model_dir: Path, kv_backend: str = "nixl", **engine: Any) -> None:
+    def __init__(
+        self, model_dir: Path, kv_backend: str = "nixl", token: str | None = None, **engine: Any
+    ) -> None:
+        """token: the cluster token every process gets ($PDSERVE_CLUSTER_TOKEN); None: open."""
         self.model_dir = model_dir
         self.kv_backend = kv_backend
+        self.token = token
+        self.auth = bearer(token) if token else {}
         self.engine = {"num_blocks": 256, "threads": 1, **engine}
         self.procs: list[Server] = []
         self.proxy: Server | None = None  # the last proxy started
@@ -53,7 +61,9 @@ class Cluster:
         procs.stop_all(self.procs)
 
     def _spawn(self, name: str, argv: list[str], url: str, wait: bool = True) -> Server:
-        proc = procs.spawn(name, argv, self._logdir / f"{name}.log", cls=Server, url=url)
+        env = procs.child_env(**{CLUSTER_TOKEN_ENV: self.token}) if self.token else None
+        log = self._logdir / f"{name}.log"
+        proc = procs.spawn(name, argv, log, env=env, cls=Server, url=url, auth=self.auth)
         self.procs.append(proc)
         if wait:
             procs.wait_healthy(proc, url, 90.0)
@@ -133,10 +143,12 @@ class Cluster:
         raise AssertionError(f"nodes not back at baseline after {timeout}s: {states}")
 
 
-def start_cluster(model_dir: Path, topology: Topology, **engine: object) -> Cluster:
+def start_cluster(
+    model_dir: Path, topology: Topology, token: str | None = None, **engine: object
+) -> Cluster:
     """A cluster of `topology` nodes behind one proxy, every node started at once; if any
     fails to come up, everything started is stopped before the error propagates."""
-    cluster = Cluster(model_dir, **engine)
+    cluster = Cluster(model_dir, token=token, **engine)
     try:
         n_p, n_d, n_c = topology
         prefill = [cluster.node("prefill", f"prefill-{i}", wait=False) for i in range(n_p)]
@@ -165,9 +177,13 @@ class Service:
         self.url = f"http://127.0.0.1:{self.port}"
         self._logdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self.log_path = self._logdir / "up.log"
+        # `pdserve up` guards internal endpoints with a cluster token; the test knows it.
+        self.token = secrets.token_urlsafe(24)
+        self.auth = bearer(self.token)
         argv = procs.module("common.cli", "up", "--port", str(self.port))
         argv += ["--model", str(model_dir), "--log-dir", str(self._logdir), *args]
-        self.proc = procs.spawn("pdserve-up", argv, self.log_path)
+        env = procs.child_env(**{CLUSTER_TOKEN_ENV: self.token})
+        self.proc = procs.spawn("pdserve-up", argv, self.log_path, env=env)
 
     def __enter__(self) -> Service:
         try:
@@ -184,13 +200,15 @@ class Service:
         return self.proc.stop(signal.SIGINT, grace=60.0)
 
     def node_urls(self) -> list[str]:
-        return [n["url"] for n in http_json(f"{self.url}/admin/nodes")["nodes"]]
+        return [n["url"] for n in http_json(f"{self.url}/admin/nodes", headers=self.auth)["nodes"]]
 
     def wait_baseline(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         states: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            states = {u: http_json(f"{u}/state", timeout=5.0) for u in self.node_urls()}
+            states = {
+                u: http_json(f"{u}/state", timeout=5.0, headers=self.auth) for u in self.node_urls()
+            }
             if all(_at_baseline(s) for s in states.values()):
                 return
             time.sleep(0.05)

@@ -14,9 +14,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
+def http_json(
+    url: str,
+    body: dict[str, Any] | None = None,
+    timeout: float = 10.0,
+    headers: dict[str, str] | None = None,
+) -> Any:
     """GET `url` (or POST `body` as JSON) and decode the JSON answer; HTTPError on 4xx/5xx."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=data, headers=all_headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
