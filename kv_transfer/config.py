@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 BackendName = Literal["nixl", "ucxx", "zmq"]
@@ -54,6 +54,11 @@ class TransferConfig:
     ipc_dir: str = "/tmp"  # where zmq ipc sockets live when zmq_transport == "ipc"
     max_message_bytes: int = 16 * 2**20  # side-channel message size limit
     close_timeout_s: float = 5.0  # bound on close(): stop the thread, drain the backend
+    # The cluster's shared secret: with it, a handshake is a mutual challenge-response (an
+    # HMAC over both sides' nonces) and nothing about this agent (addresses, backend
+    # metadata, memory keys) is sent before the peer proved it holds the same secret.
+    # None: the handshake checks compatibility only (loopback deployments).
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

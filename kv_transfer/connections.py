@@ -8,6 +8,17 @@ Handshake (A connects to B; both ends check everything):
        reply HandshakeReply{accepted=true, B's info} (through the ROUTER)
     A: checks B's info the same way, adds B to the backend, connect() returns B's id
 
+With a cluster token (TransferConfig.cluster_token) two messages come first, and no
+PeerInfo moves before both sides proved they hold the token:
+
+    A ──Hello{A's name, nonce_a}──> B
+    B ──Challenge{nonce_b, HMAC(token, "challenge" | nonce_a | nonce_b)}──> A
+    A: checks B's proof, then ──Handshake{A's PeerInfo, HMAC(token, "handshake" | nonce_b |
+       nonce_a | A's name)}──> B
+    B: checks A's proof (against the nonce it issued to that connection), then as above.
+
+A refusal to a peer that did not prove the token carries no PeerInfo.
+
 A peer is lost when its outbox's TCP connection drops (a killed process), when
 nothing arrived from it for peer_timeout_s (heartbeats every
 heartbeat_interval_s), or when the backend reports it disconnected.
@@ -15,7 +26,10 @@ heartbeat_interval_s), or when the backend reports it disconnected.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,7 +37,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from common.wire.fingerprint import FingerprintMismatch
-from common.wire.messages import Handshake, HandshakeReply, Heartbeat, PeerInfo, Reject
+from common.wire.messages import (
+    Challenge,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    Hello,
+    PeerInfo,
+    Reject,
+)
 from kv_transfer.backends.base import Backend
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import HandshakeError, TransportError
@@ -36,6 +58,9 @@ log = logging.getLogger(__name__)
 
 _MAX_CHANNEL = 2**20
 _CLOSING = "agent closed"
+_NONCE_BYTES = 32
+_MAX_CHALLENGES = 1024  # outstanding challenges kept; the oldest is dropped beyond
+_UNAUTHENTICATED = "authentication failed: this agent requires the cluster token"
 
 
 @dataclass
@@ -51,6 +76,11 @@ class PendingConnect:
     channel: int
     deadline: float
     futures: list[Future] = field(default_factory=list)
+    nonce: bytes = b""  # ours, sent in the Hello (authenticated handshakes)
+
+
+def _mac(token: bytes, *parts: bytes) -> bytes:
+    return hmac.new(token, b"|".join(parts), hashlib.sha256).digest()
 
 
 class Connections:
@@ -71,6 +101,10 @@ class Connections:
         self._next_channel = 1
         self._next_heartbeat = 0.0
         self._lost_ids: OrderedDict[str, None] = OrderedDict()  # bounded memory of lost peers
+        token = config.cluster_token
+        self._token = token.encode() if token is not None else None
+        # routing id -> (their nonce, our nonce, deadline): challenges we issued
+        self._challenges: OrderedDict[str, tuple[bytes, bytes, float]] = OrderedDict()
 
     # -- outbound ----------------------------------------------------------------------------
 
@@ -89,8 +123,36 @@ class Connections:
         )
         self._pending[key] = attempt
         self.side.open(key, address)
-        self.side.send(
-            key, Handshake(peer=self.me.model_copy(update={"channel_id": attempt.channel}))
+        if self._token is None:
+            self.side.send(key, self._handshake(attempt, None))
+            return
+        attempt.nonce = os.urandom(_NONCE_BYTES)
+        self.side.send(key, Hello(agent_name=self.me.agent_name, nonce=attempt.nonce))
+
+    def on_challenge(self, key: str, msg: Challenge) -> None:
+        """B's answer to our Hello: check its proof, then send our info with ours."""
+        attempt = self._pending.get(key)
+        if attempt is None or self._token is None or not attempt.nonce:
+            log.debug("challenge on %s for no pending authenticated connect", key)
+            return
+        if not hmac.compare_digest(
+            msg.proof, _mac(self._token, b"challenge", attempt.nonce, msg.nonce)
+        ):
+            del self._pending[key]
+            self.side.close(key)
+            _fail(
+                attempt.futures,
+                HandshakeError(f"{attempt.address} failed authentication (wrong cluster token?)"),
+            )
+            return
+        proof = _mac(
+            self._token, b"handshake", msg.nonce, attempt.nonce, self.me.agent_name.encode()
+        )
+        self.side.send(key, self._handshake(attempt, proof))
+
+    def _handshake(self, attempt: PendingConnect, proof: bytes | None) -> Handshake:
+        return Handshake(
+            peer=self.me.model_copy(update={"channel_id": attempt.channel}), proof=proof
         )
 
     def on_reply(self, key: str, reply: HandshakeReply) -> None:
@@ -113,8 +175,41 @@ class Connections:
 
     # -- inbound -----------------------------------------------------------------------------
 
+    def on_hello(self, routing_id: str, msg: Hello) -> None:
+        """A's first message: answer with our nonce and our proof; remember what we issued."""
+        if self._token is None:
+            error = "this agent has no cluster token: connect without one"
+            self.side.reply(routing_id, HandshakeReply(accepted=False, error=error))
+            return
+        if routing_id != msg.agent_name:
+            self.side.reply(routing_id, HandshakeReply(accepted=False, error=_UNAUTHENTICATED))
+            return
+        nonce = os.urandom(_NONCE_BYTES)
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        self._challenges[routing_id] = (msg.nonce, nonce, deadline)
+        self._challenges.move_to_end(routing_id)
+        while len(self._challenges) > _MAX_CHALLENGES:
+            self._challenges.popitem(last=False)
+        proof = _mac(self._token, b"challenge", msg.nonce, nonce)
+        self.side.reply(routing_id, Challenge(nonce=nonce, proof=proof))
+
+    def _authenticated(self, routing_id: str, hs: Handshake) -> bool:
+        """Whether the handshake answers a challenge we issued to this connection."""
+        if self._token is None:
+            return True
+        issued = self._challenges.pop(routing_id, None)
+        if issued is None or hs.proof is None or time.monotonic() > issued[2]:
+            return False
+        theirs, ours, _ = issued
+        expected = _mac(self._token, b"handshake", ours, theirs, hs.peer.agent_name.encode())
+        return hmac.compare_digest(hs.proof, expected)
+
     def on_handshake(self, routing_id: str, hs: Handshake) -> None:
         info = hs.peer
+        if not self._authenticated(routing_id, hs):
+            log.warning("refused an unauthenticated handshake from %r", routing_id)
+            self.side.reply(routing_id, HandshakeReply(accepted=False, error=_UNAUTHENTICATED))
+            return
         if info.agent_name in self.peers:  # a repeated handshake: answer it again
             self._accept(routing_id, self.peers[info.agent_name].recv_channel)
             return
@@ -172,6 +267,9 @@ class Connections:
     # -- liveness ----------------------------------------------------------------------------
 
     def housekeeping(self, now: float) -> None:
+        for routing_id, (_, _, deadline) in list(self._challenges.items()):
+            if now > deadline:
+                del self._challenges[routing_id]
         for key, attempt in list(self._pending.items()):
             if now > attempt.deadline:
                 del self._pending[key]

@@ -26,9 +26,11 @@ import zmq
 
 from common.wire.messages import (
     Abort,
+    Challenge,
     Handshake,
     HandshakeReply,
     Heartbeat,
+    Hello,
     KVAborted,
     Message,
     MessageError,
@@ -233,6 +235,8 @@ class ProgressLoop:
             return
         if item.via_outbox:
             self._on_outbox(item.routing_id, msg)
+        elif isinstance(msg, Hello):
+            self.conns.on_hello(item.routing_id, msg)
         elif isinstance(msg, Handshake):
             self.conns.on_handshake(item.routing_id, msg)
         elif self.conns.seen(item.routing_id):
@@ -264,6 +268,8 @@ class ProgressLoop:
         """Replies that come back on our own outbox: handshake replies and rejects."""
         if isinstance(msg, HandshakeReply):
             self.conns.on_reply(key, msg)
+        elif isinstance(msg, Challenge):
+            self.conns.on_challenge(key, msg)
         elif isinstance(msg, Reject):
             self.conns.on_reject(key, msg)
         else:

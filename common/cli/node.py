@@ -37,8 +37,12 @@ async def create_node(config: NodeConfig) -> NodeServer:
 
 
 def node_config(args: argparse.Namespace) -> NodeConfig:
+    token = read_secret(args.cluster_token_file, CLUSTER_TOKEN_ENV)
     transfer = TransferConfig.from_env(
-        backend=args.kv_backend, host=args.host, side_channel_port=args.kv_port
+        backend=args.kv_backend,
+        host=args.host,
+        side_channel_port=args.kv_port,
+        cluster_token=token,  # the KV side channel's handshake proves it too
     )
     return NodeConfig(
         role=args.fixed_role or args.role,
@@ -49,7 +53,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         engine_id=args.engine_id,
         kv_wait_timeout_s=args.kv_wait_timeout,
         drain_timeout_s=args.drain_timeout,
-        cluster_token=read_secret(args.cluster_token_file, CLUSTER_TOKEN_ENV),
+        cluster_token=token,
         insecure=args.insecure,
         debug_step_delay_s=args.debug_step_delay,
         debug_transfer_delay_s=args.debug_transfer_delay,

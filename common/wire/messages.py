@@ -112,9 +112,30 @@ class PeerInfo(BaseModel):
 
 
 @register
+class Hello(Message):
+    """The first message of an authenticated handshake: who is asking, and a fresh nonce.
+    It carries nothing a stranger could use."""
+
+    type: Literal["hello"] = "hello"
+    agent_name: str = Field(min_length=1, max_length=256)
+    nonce: bytes = Field(min_length=16, max_length=64)
+
+
+@register
+class Challenge(Message):
+    """The answer to a Hello: the answerer's own nonce, and its proof that it holds the
+    cluster token (an HMAC over both nonces)."""
+
+    type: Literal["challenge"] = "challenge"
+    nonce: bytes = Field(min_length=16, max_length=64)
+    proof: bytes = Field(min_length=32, max_length=32)
+
+
+@register
 class Handshake(Message):
     type: Literal["handshake"] = "handshake"
     peer: PeerInfo
+    proof: bytes | None = Field(default=None, max_length=32)  # after a Challenge: ours
 
 
 @register

@@ -6,13 +6,26 @@ Byte movement across real processes and every backend is covered by the e2e test
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from concurrent.futures import wait
 
 import pytest
 import torch
+import zmq
 
 from common.wire.fingerprint import Fingerprint
+from common.wire.messages import (
+    Challenge,
+    Handshake,
+    HandshakeReply,
+    Hello,
+    KVRegion,
+    Message,
+    PeerInfo,
+    decode,
+    encode,
+)
 from kv_transfer import (
     AgentClosed,
     HandshakeError,
@@ -141,3 +154,98 @@ def test_closed_agent_refuses_calls() -> None:
     agent.close()  # idempotent
     with pytest.raises(AgentClosed):
         agent.connect_async("tcp://127.0.0.1:1")
+
+
+# -- authenticated handshakes (issue 13) ------------------------------------------------------
+
+TOKEN = "kv-cluster-token-0123456789"
+
+
+def make_with(token: str | None, engine_id: str) -> KVTransferAgent:
+    cache = torch.zeros(4, 2, 2, 4, 2, 8)
+    config = dataclasses.replace(CONFIG, cluster_token=token)
+    return KVTransferAgent(config, cache, engine_id, Fingerprint.for_kv_cache(cache, "w"))
+
+
+def test_agents_with_the_same_token_connect_and_transfer() -> None:
+    a, b = make_with(TOKEN, "a"), make_with(TOKEN, "b")
+    try:
+        assert a.connect(b.address) == b.agent_name
+        a.write("x", b.agent_name, [1], [2])
+        until(b, KVReceived)
+        # Crossing connects authenticate too.
+        c = make_with(TOKEN, "c")
+        try:
+            fa, fc = a.connect_async(c.address), c.connect_async(a.address)
+            wait([fa, fc], timeout=10)
+            assert fa.result() == c.agent_name and fc.result() == a.agent_name
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "error"),
+    [
+        ("wrong-token-0123456789", TOKEN, "failed authentication"),
+        (None, TOKEN, "requires the cluster token"),
+        (TOKEN, None, "has no cluster token"),
+    ],
+)
+def test_a_peer_without_the_token_is_refused(ours, theirs, error) -> None:
+    a, b = make_with(ours, "a"), make_with(theirs, "b")
+    try:
+        with pytest.raises(HandshakeError, match=error):
+            a.connect(b.address)
+        assert a.peers() == [] and b.peers() == []
+    finally:
+        a.close()
+        b.close()
+
+
+def _ask(address: str, *frames: Message) -> list[Message]:
+    """Send `frames` from a raw zmq connection that never proves anything; the answers."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"intruder")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    answers = []
+    try:
+        for frame in frames:
+            sock.send(encode(frame))
+            assert sock.poll(5000), f"no answer to {frame.TYPE}"
+            answers.append(decode(sock.recv()))
+    finally:
+        sock.close()
+    return answers
+
+
+def test_a_stranger_learns_nothing_from_a_guarded_agent() -> None:
+    b = make_with(TOKEN, "b")
+    cache = torch.zeros(4, 2, 2, 4, 2, 8)
+    info = PeerInfo(
+        agent_name="intruder",
+        engine_id="intruder",
+        side_channel="tcp://127.0.0.1:9",
+        backend="zmq",
+        backend_metadata=b"",
+        region=KVRegion(base_addr=0, num_blocks=4, block_bytes=cache[0].nbytes),
+        fingerprint=Fingerprint.for_kv_cache(cache, "w"),
+    )
+    try:
+        # A handshake without the challenge, and one with a made-up proof after a real one.
+        (direct,) = _ask(b.address, Handshake(peer=info))
+        hello, forged = _ask(
+            b.address,
+            Hello(agent_name="intruder", nonce=b"n" * 32),
+            Handshake(peer=info, proof=b"p" * 32),
+        )
+        assert isinstance(hello, Challenge)
+        for reply in (direct, forged):
+            assert isinstance(reply, HandshakeReply) and not reply.accepted
+            assert reply.peer is None and "cluster token" in (reply.error or "")
+        assert b.peers() == []
+    finally:
+        b.close()
