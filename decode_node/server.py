@@ -131,7 +131,7 @@ class DecodeNode(TransferNode):
         if entry.cancelled:
             raise ApiError(409, f"request {entry.request_id} was cancelled", code="cancelled")
         try:
-            self.agent.request_transfer(peer_id, entry.request_id, blocks)
+            self.agent.request_transfer(peer_id, entry.request_id, blocks, msg.kv.transfer_key)
         except TransferRejected as e:
             raise ApiError(
                 502, f"KV transfer refused: {e}", type=SERVER_ERROR, code="kv_failed"

@@ -177,8 +177,15 @@ class KVTransferAgent:
             return  # posted (and, for a small nixl write, finished) in this call
         self._submit(WriteCmd(xfer))
 
-    def request_transfer(self, peer_id: str, request_id: str, dst_block_ids: Sequence[int]) -> None:
-        """Ask the peer to write request_id's KV into our (reserved) dst_block_ids.
+    def request_transfer(
+        self,
+        peer_id: str,
+        request_id: str,
+        dst_block_ids: Sequence[int],
+        transfer_key: str = "",
+    ) -> None:
+        """Ask the peer to write request_id's KV into our (reserved) dst_block_ids;
+        `transfer_key` is the capability the sender gave out for that KV (if it uses one).
 
         Sends a TransferRequest and expects the write: this side then gets one
         terminal event (KVReceived, TransferFailed, or Quiescent after abort()).
@@ -193,6 +200,7 @@ class KVTransferAgent:
             dst_agent=self.agent_name,
             dst_engine_id=self.engine_id,
             dst_block_ids=dst.tolist(),
+            transfer_key=transfer_key,
         )
         self._submit(ExpectCmd(IncomingTransfer(request_id, peer_id, dst), request))
 

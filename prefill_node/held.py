@@ -16,6 +16,8 @@ RELEASED.
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -48,10 +50,16 @@ class HeldKV:
     num_blocks: int
     num_tokens: int
     lease: Lease
+    # The capability a TransferRequest must carry (KVHandle.transfer_key): unguessable.
+    transfer_key: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
     state: HeldState = HeldState.HELD
     peer_id: str | None = None  # the decode node's agent, once SENDING
     sent_at: float = 0.0
     created: float = field(default_factory=time.monotonic)
+
+    def admits(self, transfer_key: str) -> bool:
+        """Whether a TransferRequest with `transfer_key` may take this KV (constant time)."""
+        return hmac.compare_digest(transfer_key.encode(), self.transfer_key.encode())
 
     def transition(self, new: HeldState) -> None:
         self.state = MOVES.move(self.request_id, self.state, new)

@@ -138,6 +138,7 @@ class PrefillNode(TransferNode):
             num_blocks=entry.num_blocks,
             num_tokens=entry.num_tokens,
             lease_deadline=time.time() + entry.lease.remaining(),
+            transfer_key=entry.transfer_key,
         )
         return PrefillResult(
             request_id=msg.request_id, first_token_id=token, finish_reason=None, kv=kv
@@ -209,9 +210,18 @@ class PrefillNode(TransferNode):
 
     def _on_transfer_request(self, peer_id: str, req: TransferRequest) -> None:
         entry = self._entry(req.request_id)
-        if entry is None or entry.state is not HeldState.HELD:
-            why = "unknown, expired or already sent" if entry is None else "already sending"
+        if entry is None or not entry.admits(req.transfer_key):
+            # A wrong key reads as an unknown id: a guesser learns nothing.
+            if entry is not None:
+                self.metrics.transfer_refusals.labels(reason="bad_key").inc()
+                log.warning(
+                    "TransferRequest for %s from %s without its key", req.request_id, peer_id
+                )
+            why = "unknown, expired or already sent"
             self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=why))
+            return
+        if entry.state is not HeldState.HELD:
+            self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason="already sending"))
             return
         if len(req.dst_block_ids) != entry.num_blocks:
             why = f"{len(req.dst_block_ids)} destination blocks for {entry.num_blocks} held"

@@ -92,6 +92,14 @@ class NodeMetrics:
         self.transfer_failures = Counter(
             "pdserve_transfer_failures_total", "Failed KV transfers", ["reason"], registry=registry
         )
+        self.transfer_refusals = Counter(
+            "pdserve_transfer_refusals_total",
+            "TransferRequests refused before any byte moved (bad_key: a held request asked "
+            "for without its transfer key)",
+            ["reason"],
+            registry=registry,
+        )
+        self.transfer_refusals.labels(reason="bad_key")
         # Every label a family can take, at zero, so each family is there from the start.
         for stage in [s.value for s in NODE_STAGES]:
             self.cancellations.labels(stage=stage)

@@ -158,6 +158,8 @@ class TransferRequest(Message):
     dst_agent: str
     dst_engine_id: str
     dst_block_ids: list[int]
+    # The held KV's capability (KVHandle.transfer_key); the prefill node refuses without it.
+    transfer_key: str = Field(default="", max_length=128, repr=False)
 
 
 @register

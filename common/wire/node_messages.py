@@ -62,6 +62,9 @@ class KVHandle(BaseModel):
     num_blocks: int = Field(gt=0)
     num_tokens: int = Field(gt=0)  # KV of this many prompt tokens
     lease_deadline: float  # unix time; the blocks are freed after it unless extended
+    # The capability to take this KV: unguessable, given to the decode node the proxy chose
+    # (in its DecodeRequest) and required in its TransferRequest.
+    transfer_key: str = Field(min_length=16, max_length=128, repr=False)
 
 
 # A boundary a node saw, for the request's ownership trace: (event, wall-clock seconds).

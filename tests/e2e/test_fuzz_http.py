@@ -11,6 +11,7 @@ The internal node APIs get random JSON and bytes, and must answer 4xx the same w
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -354,6 +355,21 @@ def test_a_decode_request_that_lies_about_its_prefill_is_refused(cluster: Cluste
         _check_error(status, raw)
         with urllib.request.urlopen(decode.url + "/health", timeout=10) as health:
             assert health.status == 200, what
+    # The right handle with a made-up transfer key: the prefill node refuses the transfer as
+    # if the id were unknown, counts it, and keeps the KV for its rightful taker.
+    forged = kv.model_copy(update={"transfer_key": "guessed-key-0123456789"})
+    status, raw = post(
+        decode.url + "/internal/decode", to_json(good.model_copy(update={"kv": forged}))
+    )
+    assert status == 200, raw
+    last = json.loads(raw.decode().splitlines()[-1])
+    assert last["error"] and "unknown, expired or already sent" in last["error"], last
+    with urllib.request.urlopen(prefill.url + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert 'pdserve_transfer_refusals_total{reason="bad_key"} 1.0' in metrics
+    deadline = time.monotonic() + 10
+    while decode.state()["requests"]["reserved"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # the refused reservation is freed once quiescent
     # The held KV is untouched by the refusals: the true request still decodes from it.
     status, raw = post(decode.url + "/internal/decode", to_json(good))
     assert status == 200, raw

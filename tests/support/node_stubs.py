@@ -175,6 +175,7 @@ class StubNode:
             num_blocks=1,
             num_tokens=len(msg.prompt_token_ids),
             lease_deadline=time.time() + msg.lease_s,
+            transfer_key="stub-transfer-key-0123",
         )
         result = PrefillResult(
             request_id=msg.request_id, first_token_id=self.first_token, finish_reason=None, kv=kv
@@ -311,6 +312,7 @@ def decode_request(request_id: str, prompt: list[int] | None = None) -> DecodeRe
         num_blocks=1,
         num_tokens=len(prompt),
         lease_deadline=time.time() + 30,
+        transfer_key="stub-transfer-key-0123",
     )
     return DecodeRequest(
         request_id=request_id,
