@@ -108,6 +108,8 @@ class KVTransferAgent:
             self._registry,
             self.config.max_inflight_per_peer,
         )
+        if not self.config.accept_unsolicited_writes:
+            backend.accepts = book.accepts
         me = PeerInfo(
             agent_name=self.agent_name,
             engine_id=self.engine_id,

@@ -59,6 +59,10 @@ class TransferConfig:
     # metadata, memory keys) is sent before the peer proved it holds the same secret.
     # None: the handshake checks compatibility only (loopback deployments).
     cluster_token: str | None = field(default=None, repr=False)
+    # A write nobody asked for (no request_transfer() for it from that peer): refused by
+    # the two-sided receivers (zmq, ucxx) unless this is on (push-mode tests and tools).
+    # nixl writes are one-sided: the receiver does not see them coming.
+    accept_unsolicited_writes: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -13,6 +13,8 @@ import time
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
 
+import numpy as np
+
 from common.wire.messages import Abort, KVAborted, TransferRequest
 from kv_transfer.backends.base import (
     Backend,
@@ -86,6 +88,14 @@ class TransferBook:
         """Post queued writes, up to max_inflight per peer."""
         for peer_id in [p for p, q in self._queues.items() if q]:
             self._pump(peer_id)
+
+    def accepts(self, peer_id: str, request_id: str, dst: np.ndarray) -> bool:
+        """Whether `peer_id` may write `request_id`'s KV into blocks `dst`: only into the
+        blocks this agent reserved for that transfer from that peer, while it is expected."""
+        inc = self.incoming.get(request_id)
+        if inc is None or inc.peer_id != peer_id or inc.terminal:
+            return False
+        return bool(np.isin(dst, inc.dst_ids).all())
 
     def expect(self, inc: IncomingTransfer, request: TransferRequest) -> None:
         self.incoming[inc.request_id] = inc

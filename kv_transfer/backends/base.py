@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import zmq
 
 from common.wire.messages import Message, PeerInfo
@@ -67,6 +68,10 @@ class Backend(ABC):
         self.layout = layout
         self.config = config
         self.send = send
+        # Whether an incoming write (sender, request id, destination blocks) is one this
+        # agent expects (TransferBook.accepts, set by the agent): two-sided receivers land
+        # bytes only into blocks reserved for that sender's transfer of that request.
+        self.accepts: Callable[[str, str, np.ndarray], bool] = lambda *_: True
 
     @abstractmethod
     def metadata(self) -> bytes:

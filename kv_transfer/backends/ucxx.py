@@ -247,6 +247,8 @@ class UcxxBackend(Backend):
             dst = check_block_ids(msg.dst_block_ids, self.layout.num_blocks, "dst_block_ids")
             if msg.request_id in self._recvs:
                 raise TransferRejected(f"{msg.request_id} is already being received")
+            if not self.accepts(peer_id, msg.request_id, dst):
+                raise TransferRejected("no transfer of this request into these blocks is expected")
         except TransferRejected as e:
             self.send(peer_id, KVAborted(request_id=msg.request_id, reason=str(e)))
             return

@@ -235,6 +235,8 @@ class ZmqBackend(Backend):
             return None
         try:
             dst = self._check(header, payload)
+            if not self.accepts(header.src_agent, header.request_id, dst):
+                raise TransferRejected("no transfer of this request into these blocks is expected")
             arriving = self._arriving.setdefault(key, _Arriving(header.parts, set()))
             if header.parts != arriving.parts or header.part in arriving.seen:
                 raise TransferRejected(f"part {header.part} of {header.parts} does not fit")

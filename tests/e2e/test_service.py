@@ -192,3 +192,31 @@ def _metric(url: str, name: str) -> float:
         if m:
             total += float(m.group(2))
     return total
+
+
+@pytest.mark.parametrize("backend", ["zmq", "ucxx"])
+def test_every_kv_backend_serves_equal_to_offline(
+    backend: str, tiny_model_dir: Path, tokenizer: Tokenizer, offline_token_ids: Callable
+) -> None:
+    """nixl runs in every other test; the two-sided backends (their receivers accept bytes
+    only into blocks reserved for an expected transfer) serve the same tokens, with a cluster
+    token on (authenticated side channel, per-transfer keys)."""
+    cluster = start_cluster(
+        tiny_model_dir, (1, 1, 0), token="e2e-token-0123456789", kv_backend=backend
+    )
+    try:
+        assert cluster.proxy is not None
+        client = openai.OpenAI(base_url=f"{cluster.proxy.url}/v1", api_key="x", max_retries=0)
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        prompts = [f"Story {i}: the fox and the {w}" for i, w in enumerate(CORPUS.split()[:6])]
+        for prompt in prompts:
+            out = client.completions.create(
+                model=_model(client), prompt=prompt, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert out.choices[0].text == tokenizer.decode(
+                offline_token_ids(tokenizer.encode(prompt), sp)
+            )
+        cluster.wait_baseline()
+    finally:
+        cluster.close()

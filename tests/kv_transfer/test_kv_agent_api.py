@@ -35,11 +35,18 @@ from kv_transfer import (
     PeerConnected,
     TransferConfig,
     TransferDone,
+    TransferFailed,
     TransferRejected,
 )
 
+# Push-mode writes (write() without the receiver's request_transfer) are the API under test
+# here; the default refuses them (see test_an_unsolicited_write_is_refused_by_default).
 CONFIG = TransferConfig(
-    backend="zmq", heartbeat_interval_s=0.2, peer_timeout_s=2.0, handshake_timeout_s=3.0
+    backend="zmq",
+    heartbeat_interval_s=0.2,
+    peer_timeout_s=2.0,
+    handshake_timeout_s=3.0,
+    accept_unsolicited_writes=True,
 )
 
 
@@ -248,4 +255,30 @@ def test_a_stranger_learns_nothing_from_a_guarded_agent() -> None:
             assert reply.peer is None and "cluster token" in (reply.error or "")
         assert b.peers() == []
     finally:
+        b.close()
+
+
+def test_an_unsolicited_write_is_refused_by_default() -> None:
+    """A peer may write only what this agent asked it for, into the blocks it reserved."""
+    strict = dataclasses.replace(CONFIG, accept_unsolicited_writes=False)
+    caches = [torch.full((4, 2, 2, 4, 2, 8), float(v)) for v in (1, 0)]
+    a, b = (
+        KVTransferAgent(strict, c, name, Fingerprint.for_kv_cache(c, "w"))
+        for c, name in zip(caches, ("a", "b"), strict=True)
+    )
+    try:
+        a.connect(b.address)
+        a.write("pushed", b.agent_name, [1], [2])
+        failed = [e for e in until(a, TransferFailed) if isinstance(e, TransferFailed)]
+        assert failed[0].request_id == "pushed"
+        assert not caches[1].any()  # not one byte landed
+        # Asked for, the same write lands, into exactly the reserved blocks.
+        b.request_transfer(a.agent_name, "asked", [2])
+        msg = next(e for e in until(a, MessageReceived) if isinstance(e, MessageReceived))
+        assert msg.message.request_id == "asked"
+        a.write("asked", b.agent_name, [1], [2])
+        until(b, KVReceived)
+        assert caches[1][2].eq(1).all() and not caches[1][[0, 1, 3]].any()
+    finally:
+        a.close()
         b.close()

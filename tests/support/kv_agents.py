@@ -26,6 +26,9 @@ TEST_CONFIG = {
     "peer_timeout_s": 3.0,
     "handshake_timeout_s": 10.0,
     "close_timeout_s": 3.0,
+    # These tests drive the sender directly (push mode: write() with no request_transfer()
+    # from the receiver); the strict default is tested in test_kv_agent_api.py.
+    "accept_unsolicited_writes": True,
 }
 TERMINAL = ("TransferDone", "TransferFailed", "KVReceived", "Quiescent")
 ENV = {"OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n", "NIXL_LOG_LEVEL": "WARN"}
