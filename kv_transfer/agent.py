@@ -314,6 +314,16 @@ class KVTransferAgent:
         self._check_open()
         self._loop.submit(cmd)
 
+    def failure(self) -> BaseException | None:
+        """Why the progress thread stopped on its own; None while it runs, and after close()."""
+        if self._closed:
+            return None
+        if self._error is not None:
+            return self._error
+        if not self._thread.is_alive():
+            return RuntimeError("the progress thread exited")
+        return None
+
     def _check_open(self) -> None:
         if self._closed:
             raise AgentClosed("the agent is closed")

@@ -65,22 +65,23 @@ def cmd_node(args: argparse.Namespace) -> int:
     return asyncio.run(serve(node_config(args)))
 
 
-FATAL_STOP_TIMEOUT_S = 10.0  # a node whose engine died exits within this, freed or not
-EXIT_ENGINE_DIED = 3
+FATAL_STOP_TIMEOUT_S = 10.0  # a failed node exits within this, freed or not
+EXIT_NODE_FAILED = 3
 
 
 async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> int:
     """Run a node until SIGINT/SIGTERM (or `stop`), then drain, free every block and return
-    0. If the engine thread dies, fail fast instead: /health already answers 503; close
-    what can be closed within FATAL_STOP_TIMEOUT_S and return EXIT_ENGINE_DIED, so that a
-    supervisor (`pdserve up`, systemd, Kubernetes) restarts the node."""
+    0. If the node fails (its engine thread or its KV-transfer progress thread died: see
+    NodeServer.fail), fail fast instead: /health already answers 503; close what can be
+    closed within FATAL_STOP_TIMEOUT_S and return EXIT_NODE_FAILED, so that a supervisor
+    (`pdserve up`, systemd, Kubernetes) restarts the node."""
     log = logging.getLogger(__name__)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     node = await create_node(config)
-    died = node.front.died
+    died = node.failed
     try:
         url = await node.start()
         print(f"pdserve node ready: {url} role={config.role} engine={node.engine_id}", flush=True)
@@ -95,7 +96,7 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> int:
             await node.drain()
     finally:
         if died.is_set():
-            log.critical("the engine thread died (%r): exiting", node.front.error)
+            log.critical("exiting: %s", node.failure)
             try:
                 await asyncio.wait_for(node.stop(), FATAL_STOP_TIMEOUT_S)
             except Exception:  # exiting anyway: the supervisor restarts a clean process
@@ -103,8 +104,8 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> int:
         else:
             await node.stop()
     if died.is_set():
-        print(f"pdserve node failed: {node.url}: the engine thread died", file=sys.stderr)
-        return EXIT_ENGINE_DIED
+        print(f"pdserve node failed: {node.url}: {node.failure}", file=sys.stderr)
+        return EXIT_NODE_FAILED
     node.engine.check_integrity()  # the engine thread has stopped: this thread owns it now
     blocks = node.engine.state()["blocks"]
     logging.getLogger(__name__).info("stopped: blocks %s", json.dumps(blocks, sort_keys=True))

@@ -114,11 +114,16 @@ class NodeServer:
         self.url = ""
         self._runner: web.AppRunner | None = None  # set while serving HTTP
         self._tasks: set[asyncio.Task[None]] = set()
+        # Set once a thread the node cannot serve without died (the engine's, the KV-transfer
+        # agent's): /health answers 503 from then on and `serve` exits non-zero (fail fast).
+        self.failed = asyncio.Event()
+        self.failure: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> str:
         """Start the role's background tasks, then serve HTTP; the URL served."""
+        self.spawn(self._watch_engine(), "engine-watch")
         self.start_role()
         if self.config.cluster_token is None and not is_loopback(self.config.host):
             log.warning(
@@ -140,6 +145,18 @@ class NodeServer:
 
     def start_role(self) -> None:
         """NodeRole background tasks (`spawn`). Default: none."""
+
+    def fail(self, reason: str) -> None:
+        """A fatal fault: unhealthy at once, and `serve` stops the node (first reason kept)."""
+        if self.failed.is_set():
+            return
+        self.failure = reason
+        log.critical("node failed: %s", reason)
+        self.failed.set()
+
+    async def _watch_engine(self) -> None:
+        await self.front.died.wait()
+        self.fail(f"the engine thread died: {self.front.error!r}")
 
     async def drain(self) -> None:
         """Stop admitting; wait (bounded) until in-flight work is done."""
@@ -187,7 +204,7 @@ class NodeServer:
         ]
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        ok = not self.draining and self.front.error is None
+        ok = not self.draining and self.front.error is None and not self.failed.is_set()
         body = {"status": "ok" if ok else "unavailable", "role": self.role}
         return web.json_response(body, status=200 if ok else 503)
 

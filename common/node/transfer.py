@@ -36,6 +36,13 @@ class TransferNode(NodeServer):
 
     def start_role(self) -> None:
         self.spawn(self._pump_events(), "kv-events")
+        self.spawn(self._watch_agent(), "kv-watch")
+
+    async def _watch_agent(self, interval_s: float = 0.5) -> None:
+        """A dead progress thread moves no byte and frees nothing: fail the node."""
+        while (error := self.agent.failure()) is None:
+            await asyncio.sleep(interval_s)
+        self.fail(f"the KV-transfer progress thread died: {error!r}")
 
     async def stop_role(self) -> None:
         await asyncio.to_thread(self.agent.close)

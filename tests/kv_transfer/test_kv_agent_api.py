@@ -282,3 +282,26 @@ def test_an_unsolicited_write_is_refused_by_default() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_dead_progress_thread_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kv_transfer.progress import ProgressLoop
+
+    agent = make("doomed")
+    try:
+        assert agent.failure() is None
+
+        def step(self: ProgressLoop, ready: dict) -> None:
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(ProgressLoop, "_step", step)
+        deadline = 50
+        while agent.failure() is None and deadline:
+            deadline -= 1
+            agent.wait_events(0.1)
+        assert isinstance(agent.failure(), RuntimeError)
+        with pytest.raises(AgentClosed, match="progress thread stopped"):
+            agent.connect("tcp://127.0.0.1:9")
+    finally:
+        agent.close()
+    assert agent.failure() is None  # closed on purpose: not a failure
