@@ -264,6 +264,10 @@ class KVTransferAgent:
     def rejected_messages(self) -> int:
         return self._loop.rejected
 
+    def step_errors(self) -> int:
+        """Progress-thread steps that raised and were survived (each one a bug to report)."""
+        return self._loop.step_errors
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self) -> None:

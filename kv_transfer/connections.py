@@ -332,6 +332,7 @@ class Connections:
     def _add(self, info: PeerInfo, recv_channel: int, outbox_key: str) -> None:
         self.backend.add_peer(info, send_channel=info.channel_id, recv_channel=recv_channel)
         self._lost_ids.pop(info.agent_name, None)
+        self.book.peer_connected(info.agent_name)
         self.side.rekey(outbox_key, info.agent_name)
         self.peers[info.agent_name] = Peer(info, recv_channel, time.monotonic())
         self.registry.add_peer(info.agent_name, info.region, info.side_channel)

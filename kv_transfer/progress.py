@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 _HOT_S = 0.05  # after activity, poll without blocking this long (nixl notifications)
 _MAX_EARLY = 1024
+# A step that raises is logged, counted and skipped; this many in a row means the state is
+# beyond repair: the thread stops, and the node fails fast (NodeServer.fail) to be restarted.
+_MAX_FAILED_STEPS = 100
 _BUSY_SLICE_S = 0.0005
 
 
@@ -106,6 +109,7 @@ class ProgressLoop:
         poller.register(self.wake.fd, zmq.POLLIN)
         self.stopping = False
         self.rejected = 0  # side-channel messages refused (malformed, unknown, unexpected)
+        self.step_errors = 0  # steps that raised (a bug): logged, counted, survived
         self._hot_until = 0.0
         self._early: deque[tuple[Inbound, Message]] = deque()  # from not-yet-known peers
         self._run_cmd: dict[type, Callable] = {
@@ -147,10 +151,21 @@ class ProgressLoop:
         return True
 
     def run(self) -> None:
+        failed_in_a_row = 0
         while not self.stopping:
             ready = dict(self.poller.poll(self._timeout_ms()))
             with self.state_lock:
-                self._step(ready)
+                try:
+                    self._step(ready)
+                    failed_in_a_row = 0
+                except Exception:
+                    self.step_errors += 1
+                    failed_in_a_row += 1
+                    if failed_in_a_row >= _MAX_FAILED_STEPS:
+                        raise
+                    log.exception(
+                        "kv progress step failed (%d in a row); going on", failed_in_a_row
+                    )
 
     def _step(self, ready: dict) -> None:
         """One pass over everything that may have happened; the state lock is held."""

@@ -58,7 +58,11 @@ class TransferBook:
         self.incoming: dict[str, IncomingTransfer] = {}
         self._queues: defaultdict[str, deque[OutgoingTransfer]] = defaultdict(deque)
         self._inflight: Counter[str] = Counter()
-        self._lost: dict[str, float] = {}  # lost peer -> when; its posted writes may linger
+        self._lost: dict[str, float] = {}  # peer lost and not (yet) reconnected -> when
+        # Writes posted to a peer when it was lost -> when: the backend may still settle
+        # them; expire_stragglers ends those it never settles. Keyed by write, not by peer,
+        # so a peer that reconnects starts clean.
+        self._orphans: dict[str, float] = {}
         self._recent_in: OrderedDict[str, None] = OrderedDict()
         self._suspects: set[str] = set()  # peers a backend error says are gone
 
@@ -159,7 +163,9 @@ class TransferBook:
             else:
                 if ev.peer_lost and xfer.peer_id not in self._lost:
                     self._suspects.add(xfer.peer_id)
-                lost = ev.peer_lost or xfer.peer_id in self._lost
+                lost = (
+                    ev.peer_lost or xfer.peer_id in self._lost or xfer.request_id in self._orphans
+                )
                 reason = FailureReason.PEER_LOST if lost else FailureReason.BACKEND_ERROR
                 self._end_out(xfer, landed=False, reason=reason, detail=ev.detail)
             self._pump(xfer.peer_id)
@@ -186,23 +192,33 @@ class TransferBook:
 
     def fail_peer(self, peer_id: str, reason: str) -> None:
         """The peer is gone: end everything with it once each piece is quiescent."""
-        self._lost[peer_id] = time.monotonic()
+        now = self._lost[peer_id] = time.monotonic()
         for xfer in list(self._queues.pop(peer_id, ())):
             self._end_out(xfer, landed=False, reason=FailureReason.PEER_LOST, detail=reason)
+        for xfer in self.out.values():
+            if xfer.peer_id == peer_id and xfer.state in (OutState.POSTED, OutState.ABORTING):
+                self._orphans.setdefault(xfer.request_id, now)
         self.on_backend(self.backend.remove_peer(peer_id))  # after this nothing lands from it
         for inc in [i for i in self.incoming.values() if i.peer_id == peer_id]:
             self._end_in(inc, InState.FAILED, FailureReason.PEER_LOST, reason)
 
-    def expire_stragglers(self, grace_s: float) -> None:
-        """Writes to a lost peer the backend never settled: fail them after grace_s.
+    def peer_connected(self, peer_id: str) -> None:
+        """A (re)connected peer: new writes to it are not the lost connection's orphans."""
+        self._lost.pop(peer_id, None)
 
-        Only the source side can be left reading; a dead peer cannot write to us.
-        """
+    def expire_stragglers(self, grace_s: float) -> None:
+        """Writes posted to a lost peer that the backend never settled: fail them after
+        grace_s. Only the source side can be left reading; a dead peer cannot write to us.
+        Writes queued or posted after the peer came back are not touched."""
+        if not self._orphans:
+            return
         now = time.monotonic()
-        for xfer in list(self.out.values()):
-            lost_at = self._lost.get(xfer.peer_id)
-            if lost_at is not None and now - lost_at > grace_s:
-                log.warning("%s: backend did not settle after peer loss", xfer.request_id)
+        for rid, lost_at in list(self._orphans.items()):
+            xfer = self.out.get(rid)
+            if xfer is None or xfer.state not in (OutState.POSTED, OutState.ABORTING):
+                del self._orphans[rid]
+            elif now - lost_at > grace_s:
+                log.warning("%s: backend did not settle after peer loss", rid)
                 self._inflight[xfer.peer_id] -= 1
                 self._end_out(xfer, False, FailureReason.PEER_LOST, "peer lost (unsettled)")
 
@@ -260,7 +276,8 @@ class TransferBook:
             xfer.transition(OutState.ABORTED)
         else:
             xfer.transition(OutState.FAILED)
-        if not landed and peer not in self._lost:
+        orphan = self._orphans.pop(rid, None) is not None
+        if not landed and peer not in self._lost and not orphan:
             self.send(peer, KVAborted(request_id=rid, reason=detail or "aborted"))
         del self.out[rid]
         self.registry.finish(rid)

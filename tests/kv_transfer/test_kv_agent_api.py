@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Iterator
 from concurrent.futures import wait
 
@@ -33,6 +34,7 @@ from kv_transfer import (
     KVTransferAgent,
     MessageReceived,
     PeerConnected,
+    PeerLost,
     TransferConfig,
     TransferDone,
     TransferFailed,
@@ -305,3 +307,53 @@ def test_a_dead_progress_thread_is_reported(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         agent.close()
     assert agent.failure() is None  # closed on purpose: not a failure
+
+
+def test_writes_to_a_peer_that_reconnected_are_not_treated_as_the_lost_ones() -> None:
+    """Issue 13: a peer declared lost and then reconnected got its new writes force-ended
+    after the straggler grace period (queued ones then killed the progress thread)."""
+    config = dataclasses.replace(
+        CONFIG,
+        heartbeat_interval_s=0.1,
+        peer_timeout_s=0.5,
+        close_timeout_s=0.2,
+        max_inflight_per_peer=1,
+    )
+    cache = torch.zeros(64, 2, 2, 4, 2, 8)
+    a = KVTransferAgent(config, cache, "a", Fingerprint.for_kv_cache(cache, "w"))
+    b = KVTransferAgent(config, cache.clone(), "b", Fingerprint.for_kv_cache(cache, "w"))
+    try:
+        a.connect(b.address)
+        # A stall as `a` sees a partition: `b`'s progress thread is held (its state lock
+        # taken) until `a` declares it lost for silence.
+        with b._loop.state_lock:
+            seen: list = []
+            while not any(isinstance(e, PeerLost) for e in seen):
+                got = a.wait_events(5.0)
+                assert got, "a never declared b lost"
+                seen += got
+        deadline = 100
+        while deadline:  # reconnect once `b` also gave up the old connection
+            deadline -= 1
+            try:
+                assert a.connect(b.address) == b.agent_name
+                break
+            except HandshakeError:
+                b.wait_events(0.05)
+        time.sleep(0.5)  # well past the straggler grace period
+        rids = [f"w{i}" for i in range(20)]  # one in flight at a time: most of them queue
+        for i, rid in enumerate(rids):
+            a.write(rid, b.agent_name, [i], [i])
+        done: set[str] = set()
+        for _ in range(200):
+            for e in a.wait_events(0.1):
+                assert not isinstance(e, TransferFailed), e
+                if isinstance(e, TransferDone):
+                    done.add(e.request_id)
+            if done == set(rids):
+                break
+        assert done == set(rids)
+        assert a.failure() is None and a.step_errors() == 0
+    finally:
+        a.close()
+        b.close()
