@@ -264,6 +264,7 @@ class KVTransferAgent:
     def rejected_messages(self) -> int:
         return self._loop.rejected
 
+    @property
     def step_errors(self) -> int:
         """Progress-thread steps that raised and were survived (each one a bug to report)."""
         return self._loop.step_errors

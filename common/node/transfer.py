@@ -50,6 +50,18 @@ class TransferNode(NodeServer):
             self.on_transfer_event(event)
         self.release_all()
 
+    def state(self) -> dict[str, object]:
+        return {
+            **super().state(),
+            "kv_transfer": {
+                "backend": self.config.transfer.backend,
+                "side_channel": self.agent.address,
+                "peers": len(self.agent.peers()),
+                "rejected_messages": self.agent.rejected_messages,
+                "step_errors": self.agent.step_errors,
+            },
+        }
+
     def on_transfer_event(self, event: TransferEvent) -> None:
         raise NotImplementedError
 

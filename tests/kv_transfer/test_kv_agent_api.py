@@ -353,7 +353,7 @@ def test_writes_to_a_peer_that_reconnected_are_not_treated_as_the_lost_ones() ->
             if done == set(rids):
                 break
         assert done == set(rids)
-        assert a.failure() is None and a.step_errors() == 0
+        assert a.failure() is None and a.step_errors == 0
     finally:
         a.close()
         b.close()
