@@ -28,6 +28,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def _serving(http: aiohttp.ClientSession, url: str, node: asyncio.Future[int]) -> None:
+    """Until the node's /health answers 200 (it must not exit first)."""
+    while True:
+        assert not node.done(), node
+        try:
+            async with http.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.1)
+
+
 def test_a_dead_engine_makes_the_node_exit_nonzero(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -51,15 +64,7 @@ def test_a_dead_engine_makes_the_node_exit_nonzero(
     async def body() -> int:
         node = asyncio.ensure_future(serve(config))
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-            while True:  # until it serves
-                assert not node.done(), node
-                try:
-                    async with http.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.1)
+            await _serving(http, url, node)
             boom.set()
             async with http.post(url + "/internal/generate", data=to_json(request)) as r:
                 last = (await r.text()).splitlines()[-1]
@@ -90,15 +95,7 @@ def test_a_dead_transfer_thread_makes_the_node_exit_nonzero(
     async def body() -> tuple[int, int]:
         node = asyncio.ensure_future(serve(config))
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-            while True:
-                assert not node.done(), node
-                try:
-                    async with http.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.1)
+            await _serving(http, url, node)
             boom.set()  # the progress thread runs a step every few ms, idle or not
             status = 200
             while status == 200:
