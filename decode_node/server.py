@@ -25,7 +25,7 @@ from common.node.server import (
     write_error_line,
 )
 from common.node.transfer import TransferNode
-from common.wire.errors import SERVER_ERROR, ApiError, invalid_request
+from common.wire.errors import SERVER_ERROR, ApiError
 from common.wire.node_messages import DecodeRequest, NodeEvent
 from common.wire.stage import Stage
 from decode_node.incoming import IN_FLIGHT, Incoming, IncomingState
@@ -88,12 +88,7 @@ class DecodeNode(TransferNode):
         blocks = await self.front.reserve(msg.request_id, msg.kv.num_tokens)
         if blocks is None:
             raise ApiError(503, "decode node is full", type=SERVER_ERROR, code="decode_full")
-        if len(blocks) != msg.kv.num_blocks:
-            self.front.free_reserved(msg.request_id)
-            raise invalid_request(
-                f"the prefill node holds {msg.kv.num_blocks} blocks for {msg.kv.num_tokens} "
-                f"tokens; this node needs {len(blocks)} (block sizes differ?)"
-            )
+        assert len(blocks) == msg.kv.num_blocks, (len(blocks), msg.kv)  # validate_prefilled
         entry = Incoming(msg.request_id, len(blocks), asyncio.get_running_loop().create_future())
         entry.events += [("decode received", received), ("decode reserved", time.time())]
         record = self.engine.record(msg.request_id)

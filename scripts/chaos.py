@@ -27,7 +27,6 @@ import asyncio
 import json
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +36,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.wire.auth import CLUSTER_TOKEN_ENV  # noqa: E402
+from proxy.bench.client import parse_sse_line  # noqa: E402
 from tests.support import procs  # noqa: E402
-from tests.support.netns import Host, NetLab  # noqa: E402
+from tests.support.netns import READY, Host, NetLab, get_json, spawn_in, wait_printed  # noqa: E402
 
 TOKEN = "chaos-cluster-token-0123456789"
 PORT, KV_PORT = 8100, 5600
@@ -68,10 +67,10 @@ async def _load(
                     error = f"http {resp.status}: {(await resp.text())[:200]}"
                 else:
                     async for raw in resp.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data: ") or line == "data: [DONE]":
+                        data = parse_sse_line(raw)
+                        if data is None or data == "[DONE]":
                             continue
-                        event = json.loads(line[6:])
+                        event = json.loads(data)
                         if "error" in event:
                             error = f"stream error: {event['error'].get('message', '')[:200]}"
                             break
@@ -136,29 +135,16 @@ class Chaos:
                 "--kv-wait-timeout", "10"]  # fmt: skip
 
     def start(self, name: str, wait: bool = True) -> None:
-        env = procs.child_env(**{CLUSTER_TOKEN_ENV: TOKEN})
-        log = self.logdir / f"{name}.log"
-        self.procs[name] = procs.spawn(name, self.hosts[name].argv(*self.argv(name)), log, env=env)
+        self.procs[name] = spawn_in(self.hosts[name], name, self.argv(name), self.logdir, TOKEN)
         if wait:
             self.wait_ready(name)
 
     def wait_ready(self, name: str) -> None:
-        """Until the process printed its ready line (each start rewrites its log)."""
-        marker = "pdserve proxy ready" if name == "proxy" else "pdserve node ready"
-        log = self.logdir / f"{name}.log"
-        procs.wait_ready(self.procs[name], lambda: marker in log.read_text(errors="replace"), 120)
-
-    def client(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return procs.run(self.hosts["client"].argv(*argv), timeout=timeout)
+        wait_printed(self.procs[name], READY["proxy" if name == "proxy" else "node"])
 
     def state(self, name: str) -> dict[str, Any] | None:
-        code = (
-            "import json,sys,urllib.request as u\n"
-            "r=u.Request(sys.argv[1],headers={'Authorization':'Bearer '+sys.argv[2]})\n"
-            "print(u.urlopen(r,timeout=5).read().decode())"
-        )
-        out = self.client(sys.executable, "-c", code, f"{self.url(name)}/state", TOKEN)
-        return json.loads(out.stdout) if out.returncode == 0 else None
+        got = get_json(self.hosts["client"], f"{self.url(name)}/state", TOKEN)
+        return got["body"] if got["status"] == 200 else None
 
     # -- faults ----------------------------------------------------------------------------------
 

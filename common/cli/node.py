@@ -81,29 +81,29 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     node = await create_node(config)
-    died = node.failed
+    failed = node.failed
     try:
         url = await node.start()
         print(f"pdserve node ready: {url} role={config.role} engine={node.engine_id}", flush=True)
-        waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(died.wait())}
+        waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(failed.wait())}
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()
-        if not died.is_set():
+        if not failed.is_set():
             log.info("stopping: draining in-flight requests")
             await node.drain()
     finally:
-        if died.is_set():
+        if failed.is_set():
             log.critical("exiting: %s", node.failure)
             try:
                 await asyncio.wait_for(node.stop(), FATAL_STOP_TIMEOUT_S)
             except Exception:  # exiting anyway: the supervisor restarts a clean process
-                log.exception("stopping after the engine died")
+                log.exception("stopping the failed node")
         else:
             await node.stop()
-    if died.is_set():
+    if failed.is_set():
         print(f"pdserve node failed: {node.url}: {node.failure}", file=sys.stderr)
         return EXIT_NODE_FAILED
     node.engine.check_integrity()  # the engine thread has stopped: this thread owns it now

@@ -19,10 +19,9 @@ from typing import Any
 import pytest
 
 from common.text.tokenizer import Tokenizer
-from common.wire.auth import CLUSTER_TOKEN_ENV
 from common.wire.sampling_params import SamplingParams
 from tests.support import procs
-from tests.support.netns import Host, NetLab
+from tests.support.netns import READY, Host, NetLab, get_json, spawn_in, wait_printed
 
 WHY_NOT = NetLab.unavailable()
 pytestmark = [
@@ -36,7 +35,7 @@ PORT, KV_PORT = 8100, 5600
 
 # Run inside the client's namespace: one call, its outcome as one JSON line.
 CLIENT = r"""
-import json, sys, urllib.error, urllib.request
+import json, sys
 mode, url = sys.argv[1], sys.argv[2]
 if mode == "complete":
     import openai
@@ -50,13 +49,6 @@ if mode == "complete":
         print(json.dumps({"text": text}))
     except Exception as e:
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-elif mode == "get":
-    headers = {"Authorization": "Bearer " + sys.argv[3]} if len(sys.argv) > 3 else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
-            print(json.dumps({"status": r.status, "body": json.loads(r.read())}))
-    except urllib.error.HTTPError as e:
-        print(json.dumps({"status": e.code, "body": json.loads(e.read())}))
 elif mode == "handshake":
     import torch, zmq
     from common.wire.fingerprint import Fingerprint
@@ -92,16 +84,16 @@ class Deployment:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def start(self, name: str) -> procs.Proc:
-        env = procs.child_env(**{CLUSTER_TOKEN_ENV: TOKEN})
-        log = self.logdir / f"{name}.log"
-        proc = procs.spawn(name, self.hosts[name].argv(*self.argv[name]), log, env=env)
+        proc = spawn_in(self.hosts[name], name, self.argv[name], self.logdir, TOKEN)
         self.procs[name] = proc
-        marker = "pdserve proxy ready" if name == "proxy" else "pdserve node ready"
-        procs.wait_ready(proc, lambda: marker in log.read_text(errors="replace"), 120)
+        wait_printed(proc, READY["proxy" if name == "proxy" else "node"])
         return proc
 
+    def get(self, url: str, token: str | None = None) -> dict[str, Any]:
+        return get_json(self.hosts["client"], url, token)
+
     def state(self, node: str) -> dict[str, Any]:
-        got = self.client("get", f"{self.url(node)}/state", TOKEN)
+        got = self.get(f"{self.url(node)}/state", TOKEN)
         assert got["status"] == 200, got
         return got["body"]
 
@@ -177,14 +169,14 @@ def test_serves_across_namespaces_with_a_cluster_token(
 
 def test_a_caller_without_the_token_is_told_nothing(deployment: Deployment) -> None:
     for node in ("prefill", "decode"):
-        got = deployment.client("get", f"{deployment.url(node)}/state")
+        got = deployment.get(f"{deployment.url(node)}/state")
         assert got["status"] == 401 and set(got["body"]["error"]) == {
             "message",
             "type",
             "param",
             "code",
         }
-        got = deployment.client("get", f"{deployment.url(node)}/state", "wrong-token-0123456789")
+        got = deployment.get(f"{deployment.url(node)}/state", "wrong-token-0123456789")
         assert got["status"] == 401
     # The KV side channel: a handshake without the challenge gets a refusal with no peer info.
     kv = f"tcp://{deployment.hosts['prefill'].addr}:{KV_PORT}"

@@ -4,17 +4,26 @@ Each host is its own network namespace with one veth link into a hub namespace, 
 bridge joins them on a private /24 that exists only inside the test; nothing is added to
 the machine's own namespace. `partition(host)` takes a host's link down on the hub side
 (a real partition: packets are dropped, sockets stay open), `heal(host)` brings it back.
-Processes run in a host with `host.argv(...)` (`ip netns exec`). Needs root and `ip`;
+Processes run in a host with `host.argv(...)` (`ip netns exec`); `spawn_in`,
+`wait_printed` and `get_json` start pdserve processes there and talk to them from a client
+host. Needs root and `ip`;
 `NetLab.unavailable()` says why not, for a skip message. `close()` deletes every namespace
 (and with them the links), also when a test failed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.wire.auth import CLUSTER_TOKEN_ENV
+from tests.support import procs
 
 
 def _ip(*args: str) -> None:
@@ -92,3 +101,41 @@ class NetLab:
         _ip("netns", "add", ns)
         self._made.append(ns)
         _ip("-n", ns, "link", "set", "lo", "up")
+
+
+# -- pdserve processes inside hosts ------------------------------------------------------------
+
+READY = {"proxy": "pdserve proxy ready", "node": "pdserve node ready"}
+
+# GET a URL from inside a host with an optional bearer token: {"status", "body"} on stdout.
+_GET = r"""
+import json, sys, urllib.error, urllib.request
+headers = {"Authorization": "Bearer " + sys.argv[2]} if len(sys.argv) > 2 else {}
+request = urllib.request.Request(sys.argv[1], headers=headers)
+try:
+    with urllib.request.urlopen(request, timeout=10) as r:
+        print(json.dumps({"status": r.status, "body": json.loads(r.read())}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "body": json.loads(e.read())}))
+"""
+
+
+def spawn_in(host: Host, name: str, argv: list[str], log_dir: Path, token: str) -> procs.Proc:
+    """`argv` (a pdserve command) run in `host` with the cluster token; its log rewritten."""
+    env = procs.child_env(**{CLUSTER_TOKEN_ENV: token})
+    return procs.spawn(name, host.argv(*argv), log_dir / f"{name}.log", env=env)
+
+
+def wait_printed(proc: procs.Proc, marker: str, timeout: float = 120) -> None:
+    """Until `proc`'s log holds `marker` (its ready line): it cannot be polled from here."""
+    log = proc.log_path
+    procs.wait_ready(proc, lambda: marker in log.read_text(errors="replace"), timeout)
+
+
+def get_json(client: Host, url: str, token: str | None = None) -> dict[str, Any]:
+    """GET `url` from inside `client`: {"status": ..., "body": ...}."""
+    argv = client.argv(sys.executable, "-c", _GET, url, *([token] if token else []))
+    out = procs.run(argv, timeout=60)
+    if out.returncode != 0:
+        return {"status": None, "body": out.stderr[-500:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
