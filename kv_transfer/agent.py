@@ -38,6 +38,7 @@ import zmq
 
 from common.wire.fingerprint import Fingerprint
 from common.wire.messages import Message, PeerInfo, TransferRequest
+from kv_transfer.auth import Sealer
 from kv_transfer.backends import create_backend
 from kv_transfer.config import TransferConfig
 from kv_transfer.connections import Connections
@@ -73,15 +74,18 @@ class KVTransferAgent:
         self.layout = CacheLayout(kv_cache)
         _check_fingerprint(fingerprint, kv_cache)
         self.engine_id = engine_id
-        self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:12]}"  # unique per process instance
+        self.incarnation = uuid.uuid4().hex[:12]  # new at every start
+        self.agent_name = f"{engine_id}-{self.incarnation}"  # unique per process instance
         self._events = EventQueue()
         self._registry = Registry()
         self._closed = False
         self._error: BaseException | None = None
         self._ctx = zmq.Context(io_threads=1)
         poller = zmq.Poller()
+        token = config.cluster_token
+        sealer = None if token is None else Sealer(token.encode(), b"side", self.agent_name)
         side = SideChannel(
-            self._ctx, self.agent_name, config.host, config.side_channel_port, poller
+            self._ctx, self.agent_name, config.host, config.side_channel_port, poller, sealer
         )
         try:
             self._loop = self._build(side, poller, fingerprint)
@@ -118,6 +122,7 @@ class KVTransferAgent:
             backend_metadata=backend.metadata(),
             region=self.layout.region,
             fingerprint=fingerprint,
+            incarnation=self.incarnation,
         )
         conns = Connections(me, side, backend, book, self._registry, self._events.put, self.config)
         return ProgressLoop(poller, side, outbox, conns, book, self._events.put)
@@ -172,7 +177,7 @@ class KVTransferAgent:
         dst = check_block_ids(dst_block_ids, region.num_blocks, "dst_block_ids")
         if src.size != dst.size:
             raise TransferRejected(f"{src.size} source blocks but {dst.size} destinations")
-        self._claim(request_id)
+        self._claim(request_id, peer_id)
         nbytes = src.size * self.layout.block_bytes
         xfer = OutgoingTransfer(request_id, peer_id, src, dst, nbytes)
         if nbytes <= self.config.inline_write_max_bytes and self._loop.try_inline(xfer):
@@ -196,7 +201,7 @@ class KVTransferAgent:
         dst = check_block_ids(dst_block_ids, self.layout.num_blocks, "dst_block_ids")
         if peer_id not in self._registry.peers:
             raise TransferRejected(f"unknown peer {peer_id!r}")
-        self._claim(request_id)
+        self._claim(request_id, peer_id)
         request = TransferRequest(
             request_id=request_id,
             dst_agent=self.agent_name,
@@ -308,10 +313,10 @@ class KVTransferAgent:
             except Exception:
                 log.exception("kv progress thread shutdown failed")
 
-    def _claim(self, request_id: str) -> None:
+    def _claim(self, request_id: str, peer_id: str) -> None:
         if not request_id:
             raise TransferRejected("request_id must be non-empty")
-        refused = self._registry.claim(request_id)
+        refused = self._registry.claim(request_id, peer_id)
         if refused is not None:
             raise TransferRejected(refused)
 

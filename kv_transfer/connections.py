@@ -14,10 +14,16 @@ PeerInfo moves before both sides proved they hold the token:
     A ──Hello{A's name, nonce_a}──> B
     B ──Challenge{nonce_b, HMAC(token, "challenge" | nonce_a | nonce_b)}──> A
     A: checks B's proof, then ──Handshake{A's PeerInfo, HMAC(token, "handshake" | nonce_b |
-       nonce_a | A's name)}──> B
-    B: checks A's proof (against the nonce it issued to that connection), then as above.
+       nonce_a | A's name | sha256(A's PeerInfo))}──> B
+    B: checks A's proof (against the nonce it issued to that connection), then as above; its
+       HandshakeReply carries HMAC(token, "accept" | nonce_a | nonce_b | sha256(B's PeerInfo)).
 
-A refusal to a peer that did not prove the token carries no PeerInfo.
+A refusal to a peer that did not prove the token carries no PeerInfo. After the handshake
+every message between the two is sealed (auth.py): the routing id alone is never believed.
+
+Incarnations: an agent's name ends with its incarnation, new at every process start. A
+handshake from a new incarnation of an engine at the address of a connected peer replaces
+that peer at once (the old process no longer holds the address).
 
 A peer is lost when its outbox's TCP connection drops (a killed process), when
 nothing arrived from it for peer_timeout_s (heartbeats every
@@ -26,7 +32,6 @@ heartbeat_interval_s), or when the backend reports it disconnected.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -46,6 +51,7 @@ from common.wire.messages import (
     PeerInfo,
     Reject,
 )
+from kv_transfer.auth import Opener, info_digest, mac
 from kv_transfer.backends.base import Backend
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import HandshakeError, TransportError
@@ -77,10 +83,7 @@ class PendingConnect:
     deadline: float
     futures: list[Future] = field(default_factory=list)
     nonce: bytes = b""  # ours, sent in the Hello (authenticated handshakes)
-
-
-def _mac(token: bytes, *parts: bytes) -> bytes:
-    return hmac.new(token, b"|".join(parts), hashlib.sha256).digest()
+    their_nonce: bytes = b""  # the answerer's, from its Challenge
 
 
 class Connections:
@@ -103,6 +106,7 @@ class Connections:
         self._lost_ids: OrderedDict[str, None] = OrderedDict()  # bounded memory of lost peers
         token = config.cluster_token
         self._token = token.encode() if token is not None else None
+        self._opener = None if self._token is None else Opener(self._token, b"side", me.agent_name)
         # routing id -> (their nonce, our nonce, deadline): challenges we issued
         self._challenges: OrderedDict[str, tuple[bytes, bytes, float]] = OrderedDict()
 
@@ -124,7 +128,7 @@ class Connections:
         self._pending[key] = attempt
         self.side.open(key, address)
         if self._token is None:
-            self.side.send(key, self._handshake(attempt, None))
+            self.side.send(key, self._handshake(attempt))
             return
         attempt.nonce = os.urandom(_NONCE_BYTES)
         self.side.send(key, Hello(agent_name=self.me.agent_name, nonce=attempt.nonce))
@@ -136,7 +140,7 @@ class Connections:
             log.debug("challenge on %s for no pending authenticated connect", key)
             return
         if not hmac.compare_digest(
-            msg.proof, _mac(self._token, b"challenge", attempt.nonce, msg.nonce)
+            msg.proof, mac(self._token, b"challenge", attempt.nonce, msg.nonce)
         ):
             del self._pending[key]
             self.side.close(key)
@@ -145,15 +149,17 @@ class Connections:
                 HandshakeError(f"{attempt.address} failed authentication (wrong cluster token?)"),
             )
             return
-        proof = _mac(
-            self._token, b"handshake", msg.nonce, attempt.nonce, self.me.agent_name.encode()
-        )
-        self.side.send(key, self._handshake(attempt, proof))
+        attempt.their_nonce = msg.nonce
+        self.side.send(key, self._handshake(attempt))
 
-    def _handshake(self, attempt: PendingConnect, proof: bytes | None) -> Handshake:
-        return Handshake(
-            peer=self.me.model_copy(update={"channel_id": attempt.channel}), proof=proof
-        )
+    def _handshake(self, attempt: PendingConnect) -> Handshake:
+        me = self.me.model_copy(update={"channel_id": attempt.channel})
+        proof = None
+        if self._token is not None:
+            name = me.agent_name.encode()
+            parts = (attempt.their_nonce, attempt.nonce, name, info_digest(me))
+            proof = mac(self._token, b"handshake", *parts)
+        return Handshake(peer=me, proof=proof)
 
     def on_reply(self, key: str, reply: HandshakeReply) -> None:
         attempt = self._pending.pop(key, None)
@@ -166,6 +172,11 @@ class Connections:
             self._check(reply.peer)  # our own view of any mismatch comes first
             if not reply.accepted:
                 raise HandshakeError(f"{attempt.address} refused the handshake: {reply.error}")
+            if self._token is not None:
+                parts = (attempt.nonce, attempt.their_nonce, info_digest(reply.peer))
+                expected = mac(self._token, b"accept", *parts)
+                if reply.proof is None or not hmac.compare_digest(reply.proof, expected):
+                    raise HandshakeError(f"{attempt.address}: the reply failed authentication")
             self._add(reply.peer, attempt.channel, key)
         except (HandshakeError, TransportError) as e:
             self.side.close(key)
@@ -190,28 +201,32 @@ class Connections:
         self._challenges.move_to_end(routing_id)
         while len(self._challenges) > _MAX_CHALLENGES:
             self._challenges.popitem(last=False)
-        proof = _mac(self._token, b"challenge", msg.nonce, nonce)
+        proof = mac(self._token, b"challenge", msg.nonce, nonce)
         self.side.reply(routing_id, Challenge(nonce=nonce, proof=proof))
 
-    def _authenticated(self, routing_id: str, hs: Handshake) -> bool:
-        """Whether the handshake answers a challenge we issued to this connection."""
+    def _authenticated(self, routing_id: str, hs: Handshake) -> tuple[bytes, bytes] | None:
+        """(their nonce, ours) if the handshake answers a challenge we issued to this
+        connection, else None; (b"", b"") without a token."""
         if self._token is None:
-            return True
+            return b"", b""
         issued = self._challenges.pop(routing_id, None)
         if issued is None or hs.proof is None or time.monotonic() > issued[2]:
-            return False
+            return None
         theirs, ours, _ = issued
-        expected = _mac(self._token, b"handshake", ours, theirs, hs.peer.agent_name.encode())
-        return hmac.compare_digest(hs.proof, expected)
+        parts = (ours, theirs, hs.peer.agent_name.encode(), info_digest(hs.peer))
+        if not hmac.compare_digest(hs.proof, mac(self._token, b"handshake", *parts)):
+            return None
+        return theirs, ours
 
     def on_handshake(self, routing_id: str, hs: Handshake) -> None:
         info = hs.peer
-        if not self._authenticated(routing_id, hs):
+        nonces = self._authenticated(routing_id, hs)
+        if nonces is None:
             log.warning("refused an unauthenticated handshake from %r", routing_id)
             self.side.reply(routing_id, HandshakeReply(accepted=False, error=_UNAUTHENTICATED))
             return
         if info.agent_name in self.peers:  # a repeated handshake: answer it again
-            self._accept(routing_id, self.peers[info.agent_name].recv_channel)
+            self._accept(routing_id, self.peers[info.agent_name].recv_channel, nonces)
             return
         crossing = self._crossing(info.side_channel)  # both sides connecting at once
         try:
@@ -233,9 +248,14 @@ class Connections:
             self.side.close(key)
             self.side.reply(routing_id, HandshakeReply(accepted=False, error=str(e), peer=self.me))
             return
-        self._accept(routing_id, channel)
+        self._accept(routing_id, channel, nonces)
         if crossing is not None:
             _resolve(self._pending.pop(crossing).futures, info.agent_name)
+
+    def authentic(self, peer_id: str, payload: bytes, seal: bytes | None) -> bool:
+        """Whether a message that names peer_id as its sender was sealed by it (and is no
+        replay); always True without a token."""
+        return self._opener is None or self._opener.open(peer_id, payload, seal)
 
     def seen(self, peer_id: str) -> bool:
         """Record that peer_id spoke; False if it is not a connected peer."""
@@ -330,10 +350,19 @@ class Connections:
             )
 
     def _add(self, info: PeerInfo, recv_channel: int, outbox_key: str) -> None:
+        for old_id, old in list(self.peers.items()):
+            same_place = (old.info.engine_id, old.info.side_channel) == (
+                info.engine_id,
+                info.side_channel,
+            )
+            if same_place and old_id != info.agent_name:
+                self.lose(old_id, f"replaced by a new incarnation ({info.agent_name})")
+                self.book.peer_replaced(old_id)
         self.backend.add_peer(info, send_channel=info.channel_id, recv_channel=recv_channel)
         self._lost_ids.pop(info.agent_name, None)
         self.book.peer_connected(info.agent_name)
         self.side.rekey(outbox_key, info.agent_name)
+        self.side.seal_to(info.agent_name)
         self.peers[info.agent_name] = Peer(info, recv_channel, time.monotonic())
         self.registry.add_peer(info.agent_name, info.region, info.side_channel)
         self.emit(PeerConnected(info.agent_name, info.engine_id))
@@ -345,9 +374,13 @@ class Connections:
                 return key
         return None
 
-    def _accept(self, routing_id: str, channel: int) -> None:
+    def _accept(self, routing_id: str, channel: int, nonces: tuple[bytes, bytes]) -> None:
         me = self.me.model_copy(update={"channel_id": channel})
-        self.side.reply(routing_id, HandshakeReply(accepted=True, peer=me))
+        proof = None
+        if self._token is not None:
+            theirs, ours = nonces
+            proof = mac(self._token, b"accept", theirs, ours, info_digest(me))
+        self.side.reply(routing_id, HandshakeReply(accepted=True, peer=me, proof=proof))
 
     def _channel(self) -> int:
         channel = self._next_channel

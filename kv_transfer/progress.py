@@ -254,8 +254,11 @@ class ProgressLoop:
             self.conns.on_hello(item.routing_id, msg)
         elif isinstance(msg, Handshake):
             self.conns.on_handshake(item.routing_id, msg)
-        elif self.conns.seen(item.routing_id):
-            self._on_peer_message(item.routing_id, msg)
+        elif item.routing_id in self.conns.peers:
+            if not self.conns.authentic(item.routing_id, item.payload, item.seal):
+                self._reject(item, "not sealed by that peer, or replayed", "unauthenticated")
+            elif self.conns.seen(item.routing_id):
+                self._on_peer_message(item.routing_id, msg)
         elif self.conns.was_lost(item.routing_id):
             self._reject(item, "this node declared you lost; handshake again", "peer_lost")
         elif self.conns.connecting() and len(self._early) < _MAX_EARLY:
@@ -269,8 +272,11 @@ class ProgressLoop:
         no handshake is pending any more."""
         keep: deque[tuple[Inbound, Message]] = deque()
         for item, msg in self._early:
-            if self.conns.seen(item.routing_id):
-                self._on_peer_message(item.routing_id, msg)
+            if item.routing_id in self.conns.peers:
+                if not self.conns.authentic(item.routing_id, item.payload, item.seal):
+                    self._reject(item, "not sealed by that peer, or replayed", "unauthenticated")
+                elif self.conns.seen(item.routing_id):
+                    self._on_peer_message(item.routing_id, msg)
             elif self.conns.connecting():
                 keep.append((item, msg))
             else:

@@ -9,7 +9,6 @@ import ctypes
 import os
 import select
 from collections import OrderedDict, deque
-from collections.abc import Iterable
 
 from common.wire.messages import KVRegion
 from kv_transfer.events import TransferEvent
@@ -88,8 +87,9 @@ class Registry:
     """The facts the owner's calls are validated against, kept by the progress thread.
 
     peers: connected peer id -> its cache region; addresses: side channel -> peer id;
-    active: request ids with a live transfer record; tombstones: request ids that
-    were aborted, for which no write may start any more (bounded, oldest dropped).
+    active: request ids with a live transfer record; tombstones: (request id, peer) pairs
+    that were aborted, for which no transfer may start any more (bounded, oldest dropped).
+    Per peer, so that one peer's Abort can never stop a transfer to another.
 
     No lock: the owner (one thread, the node's event loop) must never wait on the progress
     thread. `peers` and `addresses` are replaced whole by the progress thread (copy on
@@ -103,7 +103,7 @@ class Registry:
         self.peers: dict[str, KVRegion] = {}
         self.addresses: dict[str, str] = {}
         self.active: set[str] = set()
-        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._tombstones: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._max_tombstones = max_tombstones
 
     def add_peer(self, peer_id: str, region: KVRegion, address: str) -> None:
@@ -116,22 +116,22 @@ class Registry:
         self.addresses = {a: p for a, p in self.addresses.items() if p != peer_id}
         self.peers = {p: r for p, r in self.peers.items() if p != peer_id}
 
-    def tombstone(self, request_ids: Iterable[str]) -> None:
+    def tombstone(self, request_id: str, peer_id: str) -> None:
         """Progress thread."""
-        for rid in request_ids:
-            self._tombstones[rid] = None
-            self._tombstones.move_to_end(rid)
+        key = (request_id, peer_id)
+        self._tombstones[key] = None
+        self._tombstones.move_to_end(key)
         while len(self._tombstones) > self._max_tombstones:
             self._tombstones.popitem(last=False)
 
-    def is_tombstoned(self, request_id: str) -> bool:
-        return request_id in self._tombstones
+    def is_tombstoned(self, request_id: str, peer_id: str) -> bool:
+        return (request_id, peer_id) in self._tombstones
 
-    def claim(self, request_id: str) -> str | None:
+    def claim(self, request_id: str, peer_id: str) -> str | None:
         """Owner: mark `request_id` as having a live transfer, or say why it cannot."""
         if request_id in self.active:
             return f"request {request_id!r} already has a live transfer"
-        if request_id in self._tombstones:
+        if (request_id, peer_id) in self._tombstones:
             return f"request {request_id!r} was aborted"
         self.active.add(request_id)
         return None

@@ -7,6 +7,9 @@ monitor: a killed peer's TCP connection drops at once, which is how peer loss
 is usually seen before any heartbeat goes missing. Replies to a connection that
 has no outbox yet (handshake replies, rejects) go back through the ROUTER.
 
+With a cluster token, what goes out on a peer's outbox once the handshake is done carries
+a second frame, its seal (auth.py); the receiver checks it before it believes the routing id.
+
 All sockets belong to the progress thread (zmq sockets are not thread-safe).
 """
 
@@ -20,6 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common.wire.messages import Message, encode
+from kv_transfer.auth import Sealer
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ class Inbound:
     routing_id: str  # ROUTER: the sender's identity; outbox: the key of that outbox
     payload: bytes
     via_outbox: bool
+    seal: bytes | None = None  # the second frame, if any (auth.py)
 
 
 class Outbox:
@@ -63,9 +68,19 @@ class Disconnected:
 
 
 class SideChannel:
-    def __init__(self, ctx: zmq.Context, identity: str, host: str, port: int, poller: zmq.Poller):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        identity: str,
+        host: str,
+        port: int,
+        poller: zmq.Poller,
+        sealer: Sealer | None = None,
+    ):
         self._ctx = ctx
         self._identity = identity.encode()
+        self._sealer = sealer
+        self._sealed: set[str] = set()  # outboxes of handshaken peers: what goes there is sealed
         self._poller = poller
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -111,7 +126,13 @@ class SideChannel:
     def has(self, key: str) -> bool:
         return key in self._outboxes
 
+    def seal_to(self, key: str) -> None:
+        """From now on, seal what is sent on outbox `key` (its peer passed the handshake)."""
+        if self._sealer is not None:
+            self._sealed.add(key)
+
     def close(self, key: str) -> None:
+        self._sealed.discard(key)
         sock = self._outboxes.pop(key, None)
         if sock is None:
             return
@@ -130,8 +151,12 @@ class SideChannel:
         sock = self._outboxes.get(key)
         if sock is None:
             return False
+        payload = encode(msg)
         try:
-            sock.send(encode(msg), zmq.NOBLOCK)
+            if self._sealer is not None and key in self._sealed:
+                sock.send_multipart([payload, self._sealer.seal(key, payload)], zmq.NOBLOCK)
+            else:
+                sock.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             log.warning("side channel to %s is full; dropped %s", key, msg.TYPE)
             return False
@@ -173,11 +198,12 @@ class SideChannel:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            if len(frames) != 2:
+            if len(frames) not in (2, 3):
                 log.warning("side channel: dropped a %d-frame message", len(frames))
                 continue
             ident = frames[0].decode(errors="replace")
-            out.append(Inbound(ident, frames[1], via_outbox=False))
+            seal = frames[2] if len(frames) == 3 else None
+            out.append(Inbound(ident, frames[1], via_outbox=False, seal=seal))
 
     def _drain_outbox(self, sock: zmq.Socket) -> list[Inbound]:
         key = self._outbox_keys[sock]

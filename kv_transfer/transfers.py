@@ -77,7 +77,7 @@ class TransferBook:
     def submit(self, xfer: OutgoingTransfer, peer_alive: bool) -> None:
         self.out[xfer.request_id] = xfer
         if self.registry.is_tombstoned(
-            xfer.request_id
+            xfer.request_id, xfer.peer_id
         ):  # the receiver's Abort arrived after write() was called: never start it
             xfer.abort_origin = AbortOrigin.PEER
             self._end_out(xfer, landed=False, detail="aborted by the receiver")
@@ -132,7 +132,7 @@ class TransferBook:
                 "%s asked to abort %s, which is written to %s", peer_id, request_id, xfer.peer_id
             )
             return
-        self.registry.tombstone([request_id])
+        self.registry.tombstone(request_id, peer_id)
         if xfer is not None:
             self._abort_out(xfer, AbortOrigin.PEER)
         else:  # no write exists, and none may start now: tell the receiver at once
@@ -250,7 +250,7 @@ class TransferBook:
     def _abort_out(self, xfer: OutgoingTransfer, origin: AbortOrigin) -> None:
         if origin is AbortOrigin.LOCAL or xfer.abort_origin is AbortOrigin.NONE:
             xfer.abort_origin = origin
-        self.registry.tombstone([xfer.request_id])
+        self.registry.tombstone(xfer.request_id, xfer.peer_id)
         if xfer.state is OutState.QUEUED:
             self._queues[xfer.peer_id].remove(xfer)
             self._end_out(xfer, landed=False)

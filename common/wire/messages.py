@@ -53,7 +53,13 @@ def register(cls: type[M]) -> type[M]:
 
 
 def encode(msg: Message) -> bytes:
-    return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+    return encode_record(msg)
+
+
+def encode_record(record: BaseModel) -> bytes:
+    """Any record's fields as msgpack, in declaration order (deterministic: a digest of it
+    is the same on both ends of a handshake)."""
+    return msgpack.packb(record.model_dump(mode="python"), use_bin_type=True)
 
 
 def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
@@ -109,6 +115,9 @@ class PeerInfo(BaseModel):
     fingerprint: Fingerprint
     # Receiver-assigned id for the other side's data channel (ucxx tags use it as high bits).
     channel_id: int = Field(default=0, ge=0, lt=2**20)
+    # New at every process start (the agent name ends with it): a peer that comes back at
+    # the same address with a new incarnation replaces the old one at once.
+    incarnation: str = Field(default="", max_length=64)
 
 
 @register
@@ -144,6 +153,9 @@ class HandshakeReply(Message):
     accepted: bool
     error: str | None = None
     peer: PeerInfo | None = None  # set when accepted
+    # After a Challenge: the answerer's proof over both nonces and its PeerInfo, so nobody
+    # on the path can swap the info (addresses, memory keys) it carries.
+    proof: bytes | None = Field(default=None, max_length=32)
 
 
 # -- KV-transfer control ---------------------------------------------------------------------
@@ -227,7 +239,7 @@ class Heartbeat(Message):
     sent_at: float  # sender's wall clock, for logs only
 
 
-RejectCode = Literal["malformed", "unknown_peer", "peer_lost"]
+RejectCode = Literal["malformed", "unknown_peer", "peer_lost", "unauthenticated"]
 
 
 @register
@@ -235,8 +247,9 @@ class Reject(Message):
     """Reply to a message the receiver refused.
 
     code: malformed (undecodable, unknown type, wrong version); unknown_peer (no
-    handshake yet); peer_lost (the receiver declared the sender lost: it must
-    consider the receiver lost too, and handshake again).
+    handshake yet); unauthenticated (not sealed by the peer it names, or replayed);
+    peer_lost (the receiver declared the sender lost: it must consider the receiver lost
+    too, and handshake again).
     """
 
     type: Literal["reject"] = "reject"

@@ -11,8 +11,10 @@ the sending process with an errno assertion (session_base.cpp, clean_pipes) when
 connection drops while a multipart message is half sent, so a decode node dying mid-transfer
 would take the prefill node with it. Not one message for the whole write either: a single
 huge message runs at half the speed (the receiver faults in a fresh buffer each time).
-A write counts as done at the sender once the receiver acknowledged it and zmq released every
-part. zmq cannot take back queued messages, so cancel() never succeeds: an aborted posted
+With a cluster token each header is followed by its seal (auth.py, label "data"): the PULL
+socket takes connections from anyone, and only a sealed header from a peer's incarnation, not
+seen before, may land bytes. A write counts as done at the sender once the receiver
+acknowledged it and zmq released every part. zmq cannot take back queued messages, so cancel() never succeeds: an aborted posted
 write finishes.
 """
 
@@ -37,6 +39,7 @@ from common.wire.messages import (
     decode,
     encode,
 )
+from kv_transfer.auth import SEAL_BYTES, Opener, Sealer
 from kv_transfer.backends.base import (
     Backend,
     BackendEvent,
@@ -102,6 +105,9 @@ class ZmqBackend(Backend):
         self._arriving: dict[tuple[str, str, int], _Arriving] = {}  # (src, request, xfer)
         self._refused: set[tuple[str, str, int]] = set()  # writes whose later parts we drop
         self._seq = 0
+        token = config.cluster_token
+        self._sealer = None if token is None else Sealer(token.encode(), b"data", agent_name)
+        self._opener = None if token is None else Opener(token.encode(), b"data", agent_name)
 
     def metadata(self) -> bytes:
         return self.endpoint.encode()
@@ -145,7 +151,9 @@ class ZmqBackend(Backend):
                 part=part,
                 parts=len(starts),
             )
-            buf = self._pack(encode(header), xfer.src_ids[start : start + per_part])
+            head = encode(header)
+            seal = b"" if self._sealer is None else self._sealer.seal(xfer.peer_id, head)
+            buf = self._pack(head + seal, xfer.src_ids[start : start + per_part])
             try:
                 # .data (a memoryview): numpy types ndarray as a Buffer only from Python 3.12 on
                 trackers.append(push.send(buf.data, zmq.NOBLOCK, copy=False, track=True))
@@ -156,7 +164,7 @@ class ZmqBackend(Backend):
         return None
 
     def _pack(self, head: bytes, src_ids: np.ndarray) -> np.ndarray:
-        """[header length][header][blocks...] in one buffer."""
+        """[header length][header (and its seal)][blocks...] in one buffer."""
         start = HEADER_LEN.size + len(head)
         n, block_bytes = len(src_ids), self.layout.block_bytes
         staging = np.empty(start + n * block_bytes, dtype=np.uint8)
@@ -223,12 +231,18 @@ class ZmqBackend(Backend):
         data = memoryview(frame.buffer)
         try:
             head, payload = self._split(data)
+            seal = None
+            if self._opener is not None:
+                head, seal = head[:-SEAL_BYTES], head[-SEAL_BYTES:]
             header = decode(head, self.config.max_message_bytes)
         except MessageError as e:
             log.warning("zmq: dropped a data message with a bad header: %s", e)
             return None
         if not isinstance(header, BlockWrite) or header.src_agent not in self._pushes:
             log.warning("zmq: dropped a data message (%s) from a non-peer", header.TYPE)
+            return None
+        if self._opener is not None and not self._opener.open(header.src_agent, head, seal):
+            log.warning("zmq: dropped a data message not sealed by %s", header.src_agent)
             return None
         key = (header.src_agent, header.request_id, header.xfer_id)
         if key in self._refused:

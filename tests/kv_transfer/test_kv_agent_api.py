@@ -17,10 +17,12 @@ import zmq
 
 from common.wire.fingerprint import Fingerprint
 from common.wire.messages import (
+    Abort,
     Challenge,
     Handshake,
     HandshakeReply,
     Hello,
+    KVAborted,
     KVRegion,
     Message,
     PeerInfo,
@@ -40,6 +42,7 @@ from kv_transfer import (
     TransferFailed,
     TransferRejected,
 )
+from kv_transfer.auth import info_digest, mac
 
 # Push-mode writes (write() without the receiver's request_transfer) are the API under test
 # here; the default refuses them (see test_an_unsolicited_write_is_refused_by_default).
@@ -357,3 +360,99 @@ def test_writes_to_a_peer_that_reconnected_are_not_treated_as_the_lost_ones() ->
     finally:
         a.close()
         b.close()
+
+
+def _intrude(address: str, as_name: str, *frames: list[bytes]) -> None:
+    """Send `frames` to an agent's inbox from a raw connection that calls itself `as_name`
+    (ROUTER_HANDOVER gives it that routing id)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, as_name.encode())
+    sock.setsockopt(zmq.LINGER, 2000)  # close() waits until the frames are out
+    sock.connect(address)
+    try:
+        for parts in frames:
+            sock.send_multipart(parts)
+    finally:
+        sock.close()
+
+
+def _await(predicate, agent: KVTransferAgent, what: str) -> None:
+    for _ in range(100):
+        if predicate():
+            return
+        agent.wait_events(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+def test_a_message_in_a_peers_name_without_its_seal_is_refused() -> None:
+    """Issue 13: after the handshake a peer was its ZeroMQ routing id, which anyone may claim,
+    so a forged Abort stopped another node's transfer and a forged KVAborted freed blocks a
+    write was still coming into. With a token every message carries the sender's seal."""
+    a, b = make_with(TOKEN, "a"), make_with(TOKEN, "b")
+    try:
+        b.connect(a.address)
+        b.request_transfer(a.agent_name, "r", [2])
+        until(a, MessageReceived)
+        # (Taking over b's routing id at a drops b's own connection: b then loses a.)
+        forged = encode(Abort(request_id="r"))
+        _intrude(a.address, b.agent_name, [forged], [forged, b"\0" * 40])
+        _await(lambda: a.rejected_messages >= 2, a, "a refused both Aborts")
+        assert not a._registry.is_tombstoned("r", b.agent_name)  # the Abort did nothing
+    finally:
+        a.close()
+        b.close()
+    a, b = make_with(TOKEN, "a"), make_with(TOKEN, "b")
+    try:
+        b.connect(a.address)
+        b.request_transfer(a.agent_name, "r", [2])
+        forged = encode(KVAborted(request_id="r", reason="forged"))
+        _intrude(b.address, a.agent_name, [forged], [forged, b"\1" * 40])
+        _await(lambda: b.rejected_messages >= 2, b, "b refused both KVAborted")
+        ended = next(e for e in until(b, TransferFailed) if isinstance(e, TransferFailed))
+        # It ends because a lost b (its connection was taken over), never as aborted by a.
+        assert ended.request_id == "r" and ended.reason.value == "peer_lost"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_reply_whose_peer_info_was_swapped_is_refused() -> None:
+    """The handshake reply proves the answerer's PeerInfo: something on the path that
+    answers the challenge correctly (it cannot without the token) still cannot swap the info."""
+    a = make_with(TOKEN, "a")
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    cache = torch.zeros(4, 2, 2, 4, 2, 8)
+    info = PeerInfo(
+        agent_name="b-000000000000",
+        engine_id="b",
+        side_channel=f"tcp://127.0.0.1:{port}",
+        backend="zmq",
+        backend_metadata=b"tcp://127.0.0.1:9",
+        region=KVRegion(base_addr=0, num_blocks=4, block_bytes=cache[0].nbytes),
+        fingerprint=Fingerprint.for_kv_cache(cache, "w"),
+    )
+    try:
+        future = a.connect_async(f"tcp://127.0.0.1:{port}")
+        assert fake.poll(5000)
+        ident, raw = fake.recv_multipart()
+        hello = decode(raw)
+        assert isinstance(hello, Hello)
+        nonce = b"m" * 32
+        proof = mac(TOKEN.encode(), b"challenge", hello.nonce, nonce)
+        fake.send_multipart([ident, encode(Challenge(nonce=nonce, proof=proof))])
+        assert fake.poll(5000)
+        _, raw = fake.recv_multipart()
+        assert isinstance(decode(raw), Handshake)
+        # The proof of some other info (the true one), sent with a swapped one.
+        true_proof = mac(TOKEN.encode(), b"accept", hello.nonce, nonce, info_digest(info))
+        swapped = info.model_copy(update={"backend_metadata": b"tcp://127.0.0.1:10"})
+        reply = HandshakeReply(accepted=True, peer=swapped, proof=true_proof)
+        fake.send_multipart([ident, encode(reply)])
+        with pytest.raises(HandshakeError, match="reply failed authentication"):
+            future.result(timeout=10)
+        assert a.peers() == []
+    finally:
+        fake.close()
+        a.close()
