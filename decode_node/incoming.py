@@ -10,8 +10,10 @@ reserved block set; the node reads and writes it on its event loop only. Per req
     CANCELLED --handler returns--> FREED | failed / peer lost (quiescent) ---------------> FREED
 
 `done` resolves with True (landed) or False (the transfer ended without landing) once the
-KV-transfer layer reports a terminal event. Blocks are freed (FREED) only when no write can
-land in them any more; from LANDED on they belong to the running sequence.
+KV-transfer layer reports a terminal event, or False early when it reports the sender lost
+(TransferLost: the request fails, the blocks stay quarantined until `quiescent`). Blocks are
+freed (FREED) only when no write can land in them any more; from LANDED on they belong to
+the running sequence.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Incoming:
     state: IncomingState = IncomingState.RESERVED
     peer_id: str | None = None
     failure: str = ""
+    quiescent: bool = False  # the layer's terminal event came: nothing can land any more
     events: list[tuple[str, float]] = field(default_factory=list)  # for the trace
     created: float = field(default_factory=time.monotonic)
 

@@ -37,6 +37,7 @@ from kv_transfer import (
     Quiescent,
     TransferEvent,
     TransferFailed,
+    TransferLost,
     TransferRejected,
 )
 
@@ -187,7 +188,7 @@ class DecodeNode(TransferNode):
         """The handler is gone (cancelled, timed out, failed): free when it is safe."""
         if not entry.pending:
             return
-        if entry.done.done() or entry.state not in IN_FLIGHT:
+        if entry.quiescent or entry.state not in IN_FLIGHT:
             self._free(entry)  # nothing can write into the blocks any more
             return
         if entry.state is not IncomingState.ABANDONED:
@@ -210,6 +211,11 @@ class DecodeNode(TransferNode):
                 self._terminal(request_id, False, f"{reason.value} {detail}".strip())
             case Quiescent(request_id, _, landed):
                 self._terminal(request_id, False, "aborted" + (" after landing" if landed else ""))
+            case TransferLost(request_id, _, detail):
+                entry = self._entry(request_id)
+                if entry is not None and not entry.done.done():
+                    entry.failure = f"peer_lost {detail} (its blocks are quarantined)"
+                    entry.done.set_result(False)  # the handler gives up; blocks stay held
             case PeerLost(peer_id):
                 self._peers = {a: p for a, p in self._peers.items() if p != peer_id}
             case _:
@@ -219,7 +225,8 @@ class DecodeNode(TransferNode):
         entry = self._entry(request_id)
         if entry is None:
             return
-        entry.failure = failure
+        entry.quiescent = True
+        entry.failure = entry.failure or failure
         if entry.state is IncomingState.ABANDONED:
             self._free(entry)
         elif not entry.done.done():

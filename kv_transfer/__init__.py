@@ -25,6 +25,7 @@ from kv_transfer.events import (
     TransferDone,
     TransferEvent,
     TransferFailed,
+    TransferLost,
 )
 
 __all__ = [
@@ -44,5 +45,6 @@ __all__ = [
     "TransferError",
     "TransferEvent",
     "TransferFailed",
+    "TransferLost",
     "TransferRejected",
 ]

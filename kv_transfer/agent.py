@@ -111,6 +111,7 @@ class KVTransferAgent:
             self._events.put,
             self._registry,
             self.config.max_inflight_per_peer,
+            self.config.quarantine_timeout_s,
         )
         if not self.config.accept_unsolicited_writes:
             backend.accepts = book.accepts
@@ -268,6 +269,16 @@ class KVTransferAgent:
     @property
     def rejected_messages(self) -> int:
         return self._loop.rejected
+
+    @property
+    def quarantined(self) -> int:
+        """Incoming transfers whose lost sender might still write: their blocks are held."""
+        return len(self._loop.book.quarantined)
+
+    @property
+    def quarantine_timeouts(self) -> int:
+        """Quarantines that ended by time rather than by the sender's answer."""
+        return self._loop.book.quarantine_timeouts
 
     @property
     def step_errors(self) -> int:

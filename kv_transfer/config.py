@@ -63,6 +63,10 @@ class TransferConfig:
     # the two-sided receivers (zmq, ucxx) unless this is on (push-mode tests and tools).
     # nixl writes are one-sided: the receiver does not see them coming.
     accept_unsolicited_writes: bool = False
+    # Receiving blocks of a sender lost mid-transfer, on a one-sided backend (nixl), are
+    # held until the sender says no write is in progress (it is asked again when it comes
+    # back) or a new incarnation replaces it; failing both, they are freed after this long.
+    quarantine_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -87,6 +91,10 @@ class TransferConfig:
             raise ValueError(f"nixl_notify must be side_channel or nixl, got {self.nixl_notify!r}")
         if self.zmq_transport not in ("tcp", "ipc"):
             raise ValueError(f"zmq_transport must be tcp or ipc, got {self.zmq_transport!r}")
+        if self.quarantine_timeout_s <= 0:
+            raise ValueError(
+                f"quarantine_timeout_s must be positive, got {self.quarantine_timeout_s}"
+            )
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be >= 4096")
 

@@ -103,7 +103,8 @@ class Connections:
         self._pending: dict[str, PendingConnect] = {}  # outbox key -> attempt
         self._next_channel = 1
         self._next_heartbeat = 0.0
-        self._lost_ids: OrderedDict[str, None] = OrderedDict()  # bounded memory of lost peers
+        # Bounded memory of lost peers: id -> (engine id, side channel), its place
+        self._lost_ids: OrderedDict[str, tuple[str, str]] = OrderedDict()
         token = config.cluster_token
         self._token = token.encode() if token is not None else None
         self._opener = None if self._token is None else Opener(self._token, b"side", me.agent_name)
@@ -267,7 +268,9 @@ class Connections:
 
     def on_disconnected(self, key: str) -> None:
         if key in self.peers:
-            self.lose(key, "side-channel connection dropped")
+            # The peer's process closed its socket (it exited, most likely): what it had
+            # posted drains within the close timeout, not the full quarantine.
+            self.lose(key, "side-channel connection dropped", self.config.close_timeout_s)
         elif key in self._pending:
             attempt = self._pending.pop(key)
             self.side.close(key)
@@ -310,17 +313,22 @@ class Connections:
     def next_deadline(self) -> float:
         return self._next_heartbeat
 
-    def lose(self, peer_id: str, reason: str) -> None:
-        if self.peers.pop(peer_id, None) is None:
+    def lose(self, peer_id: str, reason: str, quarantine_s: float | None = None) -> None:
+        """Declare peer_id lost; what it was writing into us is quarantined for quarantine_s
+        (default: config.quarantine_timeout_s) unless it answers or is replaced first."""
+        peer = self.peers.pop(peer_id, None)
+        if peer is None:
             return
         level = logging.INFO if reason == _CLOSING else logging.WARNING
         log.log(level, "peer %s lost: %s", peer_id, reason)
-        self._lost_ids[peer_id] = None
+        self._lost_ids[peer_id] = (peer.info.engine_id, peer.info.side_channel)
         if len(self._lost_ids) > 10_000:
             self._lost_ids.popitem(last=False)
         self.registry.remove_peer(peer_id)
         self.side.close(peer_id)
-        self.book.fail_peer(peer_id, reason)
+        if quarantine_s is None:
+            quarantine_s = self.config.quarantine_timeout_s
+        self.book.fail_peer(peer_id, reason, quarantine_s)
         self.emit(PeerLost(peer_id, reason))
 
     def close(self) -> None:
@@ -350,19 +358,18 @@ class Connections:
             )
 
     def _add(self, info: PeerInfo, recv_channel: int, outbox_key: str) -> None:
+        place = (info.engine_id, info.side_channel)
         for old_id, old in list(self.peers.items()):
-            same_place = (old.info.engine_id, old.info.side_channel) == (
-                info.engine_id,
-                info.side_channel,
-            )
-            if same_place and old_id != info.agent_name:
+            if (old.info.engine_id, old.info.side_channel) == place and old_id != info.agent_name:
                 self.lose(old_id, f"replaced by a new incarnation ({info.agent_name})")
+        for old_id, old_place in list(self._lost_ids.items()):
+            if old_place == place and old_id != info.agent_name:
                 self.book.peer_replaced(old_id)
         self.backend.add_peer(info, send_channel=info.channel_id, recv_channel=recv_channel)
         self._lost_ids.pop(info.agent_name, None)
-        self.book.peer_connected(info.agent_name)
         self.side.rekey(outbox_key, info.agent_name)
         self.side.seal_to(info.agent_name)
+        self.book.peer_connected(info.agent_name)  # (it may send to the peer)
         self.peers[info.agent_name] = Peer(info, recv_channel, time.monotonic())
         self.registry.add_peer(info.agent_name, info.region, info.side_channel)
         self.emit(PeerConnected(info.agent_name, info.engine_id))

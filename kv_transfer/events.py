@@ -10,6 +10,12 @@ event for its request id:
 reported once the transfer is quiescent: no byte of it will be read from the
 source or written to the destination any more, so the owner may free the blocks
 when it sees it. A write nobody asked for still reports KVReceived on landing.
+
+One event is not terminal: TransferLost, on the receiver, when the sender was lost while
+a one-sided backend (nixl) could still let its write land. The request has failed (the
+owner may give up on it at once) but the blocks stay quarantined: the terminal event
+follows once the sender answered that no write is in progress, or was replaced by a new
+incarnation, or after TransferConfig.quarantine_timeout_s.
 """
 
 from __future__ import annotations
@@ -42,6 +48,16 @@ class TransferFailed:
     request_id: str
     peer_id: str
     reason: FailureReason
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferLost:
+    """Receiver: the sender was lost mid-transfer; the request failed, but its blocks stay
+    held (quarantined) until the terminal event for it."""
+
+    request_id: str
+    peer_id: str
     detail: str = ""
 
 
@@ -85,6 +101,7 @@ class MessageReceived:
 TransferEvent = (
     TransferDone
     | TransferFailed
+    | TransferLost
     | KVReceived
     | Quiescent
     | PeerConnected

@@ -181,7 +181,9 @@ class ProgressLoop:
         backend_events = self.backend.on_ready(ready) + self._progress_backend()
         self.book.on_backend(backend_events)
         for peer_id in self.book.take_suspects():
-            self.conns.lose(peer_id, "the transport reported it disconnected")
+            self.conns.lose(
+                peer_id, "the transport reported it disconnected", self.config.close_timeout_s
+            )
         if activity or inbound or backend_events:
             self._hot_until = time.monotonic() + _HOT_S
         self.conns.housekeeping(time.monotonic())

@@ -12,7 +12,10 @@ Receiver side, one IncomingTransfer per request_transfer():
     EXPECTED ──notification──> LANDED
       │ abort ──> ABORT_REQUESTED ──> LANDED | ABORTED | FAILED
       ├ KVAborted from the sender ──> ABORTED
-      └ peer lost / close ──> FAILED
+      ├ peer lost / close ──> FAILED
+      └ peer lost, one-sided backend ──> QUARANTINED ──> LANDED | ABORTED | FAILED
+        (a live sender's write may still land: the blocks stay held until the sender says
+        no write is in progress, its incarnation is replaced, or the quarantine times out)
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class OutState(str, Enum):
 class InState(str, Enum):
     EXPECTED = "expected"
     ABORT_REQUESTED = "abort_requested"
+    QUARANTINED = "quarantined"
     LANDED = "landed"
     ABORTED = "aborted"
     FAILED = "failed"
@@ -67,9 +71,18 @@ _IN: Transitions[InState] = Transitions(
     "incoming transfer",
     {
         InState.EXPECTED: frozenset(
-            {InState.LANDED, InState.ABORT_REQUESTED, InState.ABORTED, InState.FAILED}
+            {
+                InState.LANDED,
+                InState.ABORT_REQUESTED,
+                InState.ABORTED,
+                InState.FAILED,
+                InState.QUARANTINED,
+            }
         ),
-        InState.ABORT_REQUESTED: frozenset({InState.LANDED, InState.ABORTED, InState.FAILED}),
+        InState.ABORT_REQUESTED: frozenset(
+            {InState.LANDED, InState.ABORTED, InState.FAILED, InState.QUARANTINED}
+        ),
+        InState.QUARANTINED: frozenset({InState.LANDED, InState.ABORTED, InState.FAILED}),
         InState.LANDED: frozenset(),
         InState.ABORTED: frozenset(),
         InState.FAILED: frozenset(),
@@ -104,6 +117,7 @@ class IncomingTransfer:
     dst_ids: np.ndarray
     state: InState = InState.EXPECTED
     created_at: float = field(default_factory=time.monotonic)
+    aborted_locally: bool = False  # the owner called abort(): its terminal event is Quiescent
 
     @property
     def terminal(self) -> bool:
@@ -112,6 +126,11 @@ class IncomingTransfer:
     @property
     def abort_requested(self) -> bool:
         return self.state is InState.ABORT_REQUESTED
+
+    @property
+    def open(self) -> bool:
+        """Bytes of it may still be accepted (expected, not quarantined, not ended)."""
+        return self.state in (InState.EXPECTED, InState.ABORT_REQUESTED)
 
     def transition(self, new: InState) -> None:
         self.state = _IN.move(self.request_id, self.state, new)

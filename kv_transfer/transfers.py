@@ -4,6 +4,12 @@ Writes to a peer are posted to the backend up to `max_inflight` at a time; the
 rest wait in a per-peer FIFO where an abort stops them before any byte moves.
 Each record ends exactly once, through _end_out / _end_in, which emit its one
 terminal event (see events.py) after the transfer is quiescent.
+
+Quarantine (one-sided backends): when the sender of an expected write is lost, that write
+may still land, so the record is QUARANTINED instead of failed: the owner hears
+TransferLost at once, and the terminal event only when the sender, back again, answers the
+Abort this side re-sends (KVAborted: no write in progress; KVDone: it landed), or a new
+incarnation of it replaces it, or after quarantine_s.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from kv_transfer.events import (
     TransferDone,
     TransferEvent,
     TransferFailed,
+    TransferLost,
 )
 from kv_transfer.shared import Registry
 from kv_transfer.state import AbortOrigin, IncomingTransfer, InState, OutgoingTransfer, OutState
@@ -48,12 +55,16 @@ class TransferBook:
         emit: Callable[[TransferEvent], None],
         registry: Registry,
         max_inflight: int,
+        quarantine_s: float = 60.0,
     ) -> None:
         self.backend = backend
         self.send = send
         self.emit = emit
         self.registry = registry
         self.max_inflight = max_inflight
+        self.quarantine_s = quarantine_s
+        self.quarantined: dict[str, float] = {}  # incoming request id -> deadline
+        self.quarantine_timeouts = 0  # quarantines that ended by time, not by an answer
         self.out: dict[str, OutgoingTransfer] = {}
         self.incoming: dict[str, IncomingTransfer] = {}
         self._queues: defaultdict[str, deque[OutgoingTransfer]] = defaultdict(deque)
@@ -67,7 +78,7 @@ class TransferBook:
         self._suspects: set[str] = set()  # peers a backend error says are gone
 
     def expecting(self) -> bool:
-        return bool(self.incoming)
+        return len(self.incoming) > len(self.quarantined)
 
     def nothing_queued_for(self, peer_id: str) -> bool:
         return not self._queues.get(peer_id)
@@ -97,7 +108,7 @@ class TransferBook:
         """Whether `peer_id` may write `request_id`'s KV into blocks `dst`: only into the
         blocks this agent reserved for that transfer from that peer, while it is expected."""
         inc = self.incoming.get(request_id)
-        if inc is None or inc.peer_id != peer_id or inc.terminal:
+        if inc is None or inc.peer_id != peer_id or not inc.open:
             return False
         return bool(np.isin(dst, inc.dst_ids).all())
 
@@ -112,6 +123,8 @@ class TransferBook:
             self._abort_out(xfer, AbortOrigin.LOCAL)
             return
         inc = self.incoming.get(request_id)
+        if inc is not None:
+            inc.aborted_locally = True  # (a quarantined one ends as its quarantine does)
         if inc is not None and inc.state is InState.EXPECTED:
             inc.transition(InState.ABORT_REQUESTED)
             if not self.send(inc.peer_id, Abort(request_id=request_id)):
@@ -143,6 +156,10 @@ class TransferBook:
         inc = self.incoming.get(msg.request_id)
         if inc is None or inc.peer_id != peer_id:
             log.debug("KVAborted for unknown incoming %s from %s", msg.request_id, peer_id)
+            return
+        if inc.state is InState.QUARANTINED:
+            detail = f"quarantine ended: the sender says {msg.reason!r}"
+            self._end_in(inc, InState.ABORTED, FailureReason.PEER_LOST, detail)
             return
         self._end_in(inc, InState.ABORTED, FailureReason.ABORTED_BY_PEER, msg.reason)
 
@@ -190,29 +207,55 @@ class TransferBook:
 
     # -- peer loss ---------------------------------------------------------------------------
 
-    def fail_peer(self, peer_id: str, reason: str) -> None:
+    def fail_peer(self, peer_id: str, reason: str, quarantine_s: float | None = None) -> None:
         """The peer is gone: end everything with it once each piece is quiescent."""
+        quarantine_s = self.quarantine_s if quarantine_s is None else quarantine_s
         now = self._lost[peer_id] = time.monotonic()
         for xfer in list(self._queues.pop(peer_id, ())):
             self._end_out(xfer, landed=False, reason=FailureReason.PEER_LOST, detail=reason)
         for xfer in self.out.values():
             if xfer.peer_id == peer_id and xfer.state in (OutState.POSTED, OutState.ABORTING):
                 self._orphans.setdefault(xfer.request_id, now)
-        self.on_backend(self.backend.remove_peer(peer_id))  # after this nothing lands from it
-        for inc in [i for i in self.incoming.values() if i.peer_id == peer_id]:
-            self._end_in(inc, InState.FAILED, FailureReason.PEER_LOST, reason)
+        self.on_backend(self.backend.remove_peer(peer_id))  # two-sided: nothing lands now
+        for inc in [i for i in self.incoming.values() if i.peer_id == peer_id and i.open]:
+            if self.backend.one_sided:
+                inc.transition(InState.QUARANTINED)
+                self.quarantined[inc.request_id] = now + quarantine_s
+                self.emit(TransferLost(inc.request_id, peer_id, reason))
+            else:
+                self._end_in(inc, InState.FAILED, FailureReason.PEER_LOST, reason)
 
     def peer_connected(self, peer_id: str) -> None:
-        """A (re)connected peer: new writes to it are not the lost connection's orphans."""
+        """A (re)connected peer: new writes to it are not the lost connection's orphans,
+        and it is asked about the writes it was lost in the middle of."""
         self._lost.pop(peer_id, None)
+        for rid in self._quarantined_of(peer_id):
+            self.send(peer_id, Abort(request_id=rid))  # answered by KVAborted or KVDone
+
+    def peer_replaced(self, peer_id: str) -> None:
+        """A new incarnation holds the old one's address: the old process is gone, and
+        nothing of it can land any more."""
+        for rid in self._quarantined_of(peer_id):
+            detail = "quarantine ended: the sender was replaced by a new incarnation"
+            self._end_in(self.incoming[rid], InState.FAILED, FailureReason.PEER_LOST, detail)
+
+    def _quarantined_of(self, peer_id: str) -> list[str]:
+        return [r for r in self.quarantined if self.incoming[r].peer_id == peer_id]
 
     def expire_stragglers(self, grace_s: float) -> None:
         """Writes posted to a lost peer that the backend never settled: fail them after
         grace_s. Only the source side can be left reading; a dead peer cannot write to us.
-        Writes queued or posted after the peer came back are not touched."""
+        Writes queued or posted after the peer came back are not touched. Quarantines past
+        their deadline end here too."""
+        now = time.monotonic()
+        for rid, deadline in list(self.quarantined.items()):
+            if now > deadline:
+                log.warning("%s: quarantine timed out; its blocks are released", rid)
+                self.quarantine_timeouts += 1
+                detail = "quarantine timed out"
+                self._end_in(self.incoming[rid], InState.FAILED, FailureReason.PEER_LOST, detail)
         if not self._orphans:
             return
-        now = time.monotonic()
         for rid, lost_at in list(self._orphans.items()):
             xfer = self.out.get(rid)
             if xfer is None or xfer.state not in (OutState.POSTED, OutState.ABORTING):
@@ -229,6 +272,8 @@ class TransferBook:
             self.fail_peer(peer_id, "agent closed")
         for xfer in list(self.out.values()):
             self._end_out(xfer, False, FailureReason.CLOSED, "agent closed")
+        for inc in list(self.incoming.values()):  # quarantined: the cache goes with the agent
+            self._end_in(inc, InState.FAILED, FailureReason.CLOSED, "agent closed")
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -300,9 +345,10 @@ class TransferBook:
         reason: FailureReason = FailureReason.PEER_LOST,
         detail: str = "",
     ) -> None:
-        abort_requested = inc.abort_requested
+        abort_requested = inc.aborted_locally
         inc.transition(new)
         del self.incoming[inc.request_id]
+        self.quarantined.pop(inc.request_id, None)
         self.registry.finish(inc.request_id)
         self._recent_in[inc.request_id] = None
         if len(self._recent_in) > _RECENT_INCOMING:

@@ -5,7 +5,7 @@ block set; the node reads and writes it on its event loop only. Per request (DES
 prefill side, after COMPUTING):
 
     HELD(lease) --TransferRequest--> SENDING --transfer done/failed--> RELEASED
-      |                                 | cancel: abort the write
+      |                                 | cancel, or the sending deadline: abort the write
       |                                 v
       |                             CANCELLING --quiescent-----------> RELEASED
       | cancel / lease expiry / decode peer lost ----------------------> RELEASED

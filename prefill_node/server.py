@@ -184,6 +184,19 @@ class PrefillNode(TransferNode):
                     )
                     self.metrics.lease_expiries.inc()
                     self._release(entry, "lease expired")
+                elif (
+                    entry.state is HeldState.SENDING
+                    and now - entry.sent_at > self.config.sending_timeout_s
+                ):
+                    log.warning(
+                        "write of %s unfinished after %.0fs; aborting it (blocks go once it "
+                        "is quiescent)",
+                        entry.request_id,
+                        now - entry.sent_at,
+                    )
+                    self.metrics.sending_timeouts.inc()
+                    entry.transition(HeldState.CANCELLING)
+                    self.agent.abort(entry.request_id)
 
     def _release(self, entry: HeldKV, why: str) -> None:
         """RELEASED: the engine frees the blocks (no transfer can touch them any more)."""

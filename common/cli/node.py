@@ -52,6 +52,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         transfer=transfer,
         engine_id=args.engine_id,
         kv_wait_timeout_s=args.kv_wait_timeout,
+        sending_timeout_s=args.sending_timeout,
         drain_timeout_s=args.drain_timeout,
         cluster_token=token,
         insecure=args.insecure,

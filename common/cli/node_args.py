@@ -19,6 +19,13 @@ def add_node_args(p: argparse.ArgumentParser, role: NodeRole | None) -> None:
     p.add_argument("--kv-backend", default="nixl", choices=list(BACKENDS))
     p.add_argument("--kv-port", type=int, default=0, help="KV side-channel port (0: any)")
     p.add_argument("--kv-wait-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--sending-timeout",
+        type=float,
+        default=60.0,
+        help="prefill: abort a KV write unfinished after this many seconds (its blocks are "
+        "freed once the write is quiescent)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument(
         "--cluster-token-file",

@@ -72,6 +72,11 @@ class NodeMetrics:
             "Held block sets freed by lease expiry",
             registry=registry,
         )
+        self.sending_timeouts = Counter(
+            "pdserve_sending_timeouts_total",
+            "KV writes aborted for running past the sending deadline (freed once quiescent)",
+            registry=registry,
+        )
         self.kv_wait_timeouts = Counter(
             "pdserve_kv_wait_timeouts_total",
             "Reservations given up because KV never arrived",

@@ -51,6 +51,9 @@ class NodeConfig:
     engine_id: str = ""  # default: role-<random>
     kv_wait_timeout_s: float = 30.0  # decode: give up on KV that never lands
     lease_reap_interval_s: float = 0.1  # prefill: how often expired leases are freed
+    # prefill: a write still unfinished this long after the TransferRequest is aborted
+    # (its blocks are freed once the layer says it is quiescent, never before)
+    sending_timeout_s: float = 60.0
     drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight work
     # Fault injection for tests and drills: sleep after each engine step, and (prefill)
     # before posting each KV write, so a request can be caught in a given stage.
@@ -71,6 +74,8 @@ class NodeConfig:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.kv_wait_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("kv_wait_timeout_s must be > 0 and drain_timeout_s >= 0")
+        if self.sending_timeout_s <= 0:
+            raise ValueError("sending_timeout_s must be > 0")
         if self.debug_step_delay_s < 0 or self.debug_transfer_delay_s < 0:
             raise ValueError("debug delays must be >= 0")
 

@@ -59,6 +59,8 @@ class TransferNode(NodeServer):
                 "peers": len(self.agent.peers()),
                 "rejected_messages": self.agent.rejected_messages,
                 "step_errors": self.agent.step_errors,
+                "quarantined": self.agent.quarantined,
+                "quarantine_timeouts": self.agent.quarantine_timeouts,
             },
         }
 

@@ -60,6 +60,9 @@ class Backend(ABC):
     # post() finishes a small write in the call and touches no socket the progress
     # thread polls, so an owner's thread may call it under the agent's state lock.
     posts_inline: ClassVar[bool] = False
+    # A peer's writes land without any action of ours (RDMA): after remove_peer() a live
+    # peer may still write into our blocks, so the layer quarantines them (transfers.py).
+    one_sided: ClassVar[bool] = False
 
     def __init__(
         self, agent_name: str, layout: CacheLayout, config: TransferConfig, send: SendFn
@@ -89,7 +92,7 @@ class Backend(ABC):
     def remove_peer(self, peer_id: str) -> list[BackendEvent]:
         """Forget a peer (lost or closing).
 
-        On return no write of that peer lands in our cache any more. Returns a
+        On return no write of that peer lands in our cache any more (unless one_sided). Returns a
         WriteFailed for each posted outgoing write that is quiescent now; any other
         is reported by a later progress() once it is (completed or failed).
         """
@@ -105,8 +108,9 @@ class Backend(ABC):
 
     @abstractmethod
     def cancel(self, xfer: OutgoingTransfer) -> bool:
-        """Try to stop a posted write. True: stopped, nothing more lands and progress()
-        reports nothing for it; False: it will run to its end and be reported."""
+        """Try to stop a posted write. True only if nothing more of it can land (nor be
+        read), and progress() reports nothing for it; False: it runs to its end and is
+        reported."""
 
     @abstractmethod
     def progress(self) -> list[BackendEvent]:

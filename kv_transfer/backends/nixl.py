@@ -17,6 +17,12 @@ DONE, so the bytes are in place, and the receiver is woken by its socket
 instead of polling NIXL. With "nixl" the KVDone rides on the transfer as a NIXL
 notification; here that made each small write wait 1-12 ms for the receiver's
 UCX progress (README, "Defaults"). Receivers accept both.
+
+An abort never releases a write in progress: releasing an active handle cancels its UCX
+requests, but bytes already posted may still land after the receiver was told "aborted"
+and reused the blocks. An aborted write runs to its end (a few ms for a request's KV).
+Only a lost peer's writes are released (remove_peer); the peer, if it is alive after all,
+quarantines the blocks they were going to (one_sided).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class _NixlPeer:
 class NixlBackend(Backend):
     name = "nixl"
     posts_inline = True
+    one_sided = True
 
     def __init__(
         self, agent_name: str, layout: CacheLayout, config: TransferConfig, send: SendFn
@@ -109,7 +116,7 @@ class NixlBackend(Backend):
         peer.dead = True
         events: list[BackendEvent] = []
         for xfer in [x for x in self._posted.values() if x.peer_id == peer_id]:
-            if self.cancel(xfer):
+            if self._drop(xfer):
                 events.append(WriteFailed(xfer.request_id, "peer lost", peer_lost=True))
         self._forget_dead()
         return events
@@ -140,6 +147,11 @@ class NixlBackend(Backend):
         return self._settle(xfer, state)
 
     def cancel(self, xfer: OutgoingTransfer) -> bool:
+        return False  # see the module notes: an aborted write runs to its end
+
+    def _drop(self, xfer: OutgoingTransfer) -> bool:
+        """Release a write to a lost peer while it is in progress (True), or leave it to
+        progress() if it already ended (False)."""
         if xfer.request_id not in self._posted:
             return False
         try:
@@ -186,7 +198,7 @@ class NixlBackend(Backend):
 
     def close(self) -> None:
         for xfer in list(self._posted.values()):
-            self.cancel(xfer)
+            self._drop(xfer)
         for name in list(self._peers):
             self._peers[name].dead = True
         self._forget_dead()

@@ -14,8 +14,8 @@ huge message runs at half the speed (the receiver faults in a fresh buffer each 
 With a cluster token each header is followed by its seal (auth.py, label "data"): the PULL
 socket takes connections from anyone, and only a sealed header from a peer's incarnation, not
 seen before, may land bytes. A write counts as done at the sender once the receiver
-acknowledged it and zmq released every part. zmq cannot take back queued messages, so cancel() never succeeds: an aborted posted
-write finishes.
+acknowledged it and zmq released every part. zmq cannot take back queued messages, so
+cancel() never succeeds: an aborted posted write finishes.
 """
 
 from __future__ import annotations

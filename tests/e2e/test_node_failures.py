@@ -342,6 +342,31 @@ def test_kv_that_never_arrives_times_out_and_frees_the_reservation(
         cluster.wait_baseline(10.0)
 
 
+def test_a_write_past_the_sending_deadline_is_aborted_and_freed(
+    tiny_model_dir: Path, tokenizer: Tokenizer
+) -> None:
+    """Issue 13: SENDING had no deadline. A write still not done (here: not even posted)
+    past --sending-timeout is aborted; its blocks go once it is quiescent, and the decode
+    node hears KVAborted instead of waiting out its own timeout."""
+    with Cluster(tiny_model_dir) as cluster:
+        prefill = cluster.node(
+            "prefill", "prefill", wait=False, debug_transfer_delay=3.0, sending_timeout=1.0
+        )
+        decode = cluster.node("decode", "decode", wait=False, kv_wait_timeout=60.0)
+        cluster.wait_all()
+        proxy = cluster.start_proxy([prefill], [decode], migrate_limit=0)
+
+        async def scenario(session: aiohttp.ClientSession) -> None:
+            res = await stream_completion(session, proxy.url, _body("Once upon a time", 8))
+            assert res.status == 200 and res.events == 1  # the first token, from prefill
+            assert res.error is not None and "kv_failed" in res.error["message"], res.error
+            assert await metric(session, prefill.url, "pdserve_sending_timeouts_total") == 1
+            assert await metric(session, decode.url, "pdserve_kv_wait_timeouts_total") == 0
+
+        _run(scenario)
+        cluster.wait_baseline(10.0)
+
+
 async def _true(value: bool) -> bool:
     return value
 

@@ -9,6 +9,8 @@ shared-memory cache file).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import msgpack
@@ -215,3 +217,72 @@ def test_malformed_and_unknown_messages_rejected(trio) -> None:
     assert trio.decode1.call("connect", address=p["address"]) == p["name"]
     trio.prefill.call("write", rid="after-junk", peer=d["name"], src=[3], dst=[4])
     assert terminal(collect(trio.decode1, count_terminal(1), WAIT))[0]["kind"] == "KVReceived"
+
+
+def test_blocks_of_a_silent_sender_stay_quarantined_until_it_answers(trio, victim) -> None:
+    """Issue 13: a receiver freed its blocks as soon as it declared the sender lost, though
+    a live (stalled, partitioned) sender's one-sided write could still land in them. Here the
+    sender is stopped (SIGSTOP) until the receiver declares it lost for silence. nixl: the
+    request fails at once (TransferLost) but its blocks stay held until the sender, back and
+    asked again, says no write is in progress. zmq, ucxx: the receiver stops taking the
+    peer's bytes when it drops it, so the transfer just fails."""
+    spec = CacheSpec(num_blocks=8, layers=2, heads=2, dim=16, block_size=4)
+    p = victim.start(trio.backend, "prefill", spec.as_dict())
+    d = trio.decode1.start(trio.backend, "decode", spec.as_dict(), config={"peer_timeout_s": 1.0})
+    assert trio.decode1.call("connect", address=p["address"]) == p["name"]
+    trio.decode1.call("request", peer=p["name"], rid="q", dst=[1, 2])
+    collect(victim, lambda ev: len(messages(ev, "transfer_request")) >= 1, WAIT)
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        events = collect(trio.decode1, lambda ev: any(e["kind"] == "PeerLost" for e in ev), WAIT)
+        if trio.backend != "nixl":
+            (end,) = ended_once(events, ["q"]).values()
+            assert end["kind"] == "TransferFailed" and end["reason"] == "peer_lost"
+            return
+        assert [e["request_id"] for e in events if e["kind"] == "TransferLost"] == ["q"]
+        assert not terminal(events) and trio.decode1.call("quarantined") == 1
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    # Back: the receiver connects again and asks; the sender has no write for it.
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            trio.decode1.call("connect", address=p["address"])
+            break
+        except NodeError:
+            assert time.monotonic() < deadline, "never reconnected"
+            time.sleep(0.2)
+    (end,) = ended_once(collect(trio.decode1, count_terminal(1), WAIT), ["q"]).values()
+    assert end["kind"] == "TransferFailed" and "quarantine ended" in end["detail"]
+    assert trio.decode1.call("quarantined") == 0
+    with pytest.raises(NodeError, match="aborted"):  # it asked with an Abort: no write now
+        victim.call("write", rid="q", peer=d["name"], src=[3, 4], dst=[1, 2])
+
+
+def test_quarantine_ends_when_a_new_incarnation_takes_the_address(trio, victim) -> None:
+    """A sender killed and started again on the same address is a new incarnation: the old
+    process can write nothing any more, so its quarantined blocks are released at the
+    handshake with the new one (well before any timeout)."""
+    spec = CacheSpec(num_blocks=8, layers=2, heads=2, dim=16, block_size=4)
+    slow = {"quarantine_timeout_s": 600.0, "close_timeout_s": 600.0, "peer_timeout_s": 1.0}
+    p = victim.start(trio.backend, "prefill", spec.as_dict())
+    trio.decode1.start(trio.backend, "decode", spec.as_dict(), config=slow)
+    trio.decode1.call("connect", address=p["address"])
+    trio.decode1.call("request", peer=p["name"], rid="z", dst=[1, 2])
+    collect(victim, lambda ev: len(messages(ev, "transfer_request")) >= 1, WAIT)
+    port = int(p["address"].rsplit(":", 1)[1])
+    victim.kill()
+    events = collect(trio.decode1, lambda ev: any(e["kind"] == "PeerLost" for e in ev), WAIT)
+    if trio.backend == "nixl":
+        assert not terminal(events) and trio.decode1.call("quarantined") == 1
+        again = trio.decode2.start(
+            trio.backend, "prefill", spec.as_dict(), config={"side_channel_port": port}
+        )
+        assert again["address"] == p["address"] and again["name"] != p["name"]
+        trio.decode1.call("connect", address=again["address"])
+        events = collect(trio.decode1, count_terminal(1), WAIT)
+    (end,) = ended_once(events, ["z"]).values()
+    assert end["kind"] == "TransferFailed" and end["reason"] == "peer_lost"
+    if trio.backend == "nixl":
+        assert "new incarnation" in end["detail"]
+    assert trio.decode1.call("quarantined") == 0

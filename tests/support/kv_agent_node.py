@@ -80,6 +80,7 @@ class Node:
             "read": self.read,
             "stop_agent": self.stop_agent,
             "rejected": lambda a: self.agent.rejected_messages,
+            "quarantined": lambda a: self.agent.quarantined,
         }
 
     def start(self, a: dict) -> dict:
