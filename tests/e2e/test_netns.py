@@ -214,10 +214,83 @@ def test_the_decode_node_killed_and_relaunched_on_its_address(deployment: Deploy
     got = deployment.client("complete", deployment.url("proxy"), "while it is down", "4")
     assert "error" in got or "text" in got  # a clear answer, not a hang
     deployment.start("decode")
-    deadline = time.monotonic() + 60
-    while "text" not in (
-        got := deployment.client("complete", deployment.url("proxy"), "back again", "8")
-    ):
+    _until_served(deployment, "back again")
+    deployment.wait_baseline()
+
+
+def _until_served(deployment: Deployment, prompt: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    url = deployment.url("proxy")
+    while "text" not in (got := deployment.client("complete", url, prompt, "8")):
         assert time.monotonic() < deadline, got
         time.sleep(1.0)
+
+
+def _relaunch(deployment: Deployment, name: str, *extra: str) -> None:
+    """SIGKILL `name` and start it again on its address (a new incarnation)."""
+    deployment.procs[name].send_signal(signal.SIGKILL)
+    deployment.procs[name].wait(10)
+    argv = deployment.argv[name]
+    deployment.argv[name] = [*argv, *extra]
+    try:
+        deployment.start(name)
+    finally:
+        deployment.argv[name] = argv
+
+
+def test_the_prefill_node_killed_and_relaunched_on_its_address(deployment: Deployment) -> None:
+    deployment.procs["prefill"].send_signal(signal.SIGKILL)
+    deployment.procs["prefill"].wait(10)
+    got = deployment.client("complete", deployment.url("proxy"), "while it is down", "4")
+    assert "error" in got or "text" in got  # a clear answer, not a hang
+    deployment.start("prefill")
+    # The decode node handshakes with the new incarnation at the old address.
+    _until_served(deployment, "back again")
     deployment.wait_baseline()
+
+
+def test_a_partition_longer_than_the_peer_timeout_in_the_middle_of_a_transfer(
+    deployment: Deployment,
+) -> None:
+    """The prefill node's link goes down after the decode node asked for the KV and before
+    the write (held back 3 s), for longer than the peer timeout (10 s): both sides declare
+    the other lost while the write may still be coming. The decode node fails the request
+    but keeps the blocks quarantined (nixl writes are one-sided), and releases them once
+    the prefill node, reachable again, answers that no write is in progress."""
+    _relaunch(deployment, "prefill", "--debug-transfer-delay", "3")
+    try:
+        client = deployment.hosts["client"]
+        argv = client.argv(
+            sys.executable, "-c", CLIENT, "complete", deployment.url("proxy"), "cut off", "8"
+        )
+        streaming = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=procs.child_env())  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while not deployment.state("decode")["requests"]["transferring"]:
+                assert time.monotonic() < deadline, "the transfer never started"
+                time.sleep(0.1)
+            deployment.lab.partition("prefill")
+            quarantined = 0
+            deadline = time.monotonic() + 14.0
+            while time.monotonic() < deadline:
+                quarantined = max(
+                    quarantined, deployment.state("decode")["kv_transfer"]["quarantined"]
+                )
+                time.sleep(0.5)
+            deployment.lab.heal("prefill")
+            out, err = streaming.communicate(timeout=120)
+        finally:
+            deployment.lab.heal("prefill")
+            if streaming.poll() is None:
+                streaming.kill()
+                streaming.wait()
+        result = json.loads(out.strip().splitlines()[-1])
+        assert "text" in result or "error" in result, (out, err)
+        assert quarantined == 1
+        _until_served(deployment, "after the long cut")
+        deployment.wait_baseline(60)
+        kv = deployment.state("decode")["kv_transfer"]
+        assert kv["quarantined"] == 0 and kv["quarantine_timeouts"] == 0, kv  # it answered
+    finally:
+        _relaunch(deployment, "prefill")
