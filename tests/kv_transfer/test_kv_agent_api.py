@@ -456,3 +456,25 @@ def test_a_reply_whose_peer_info_was_swapped_is_refused() -> None:
     finally:
         fake.close()
         a.close()
+
+
+def test_an_abort_from_another_peer_does_not_stop_the_transfer() -> None:
+    """Issue 13: any peer could Abort any request id before its write existed (the id was
+    tombstoned for everyone). An Abort now stops that request's transfer to its sender only."""
+    a, b, c = make_with(TOKEN, "a"), make_with(TOKEN, "b"), make_with(TOKEN, "c")
+    try:
+        b.connect(a.address)
+        c.connect(a.address)
+        b.request_transfer(a.agent_name, "r", [2])
+        c.send(a.agent_name, Abort(request_id="r"))  # c never asked for "r"
+        seen: list = []
+        while sum(isinstance(e, MessageReceived) for e in seen) < 2:
+            got = a.wait_events(10)
+            assert got, seen
+            seen += got
+        a.write("r", b.agent_name, [1], [2])
+        until(b, KVReceived)
+        until(a, TransferDone)
+    finally:
+        for agent in (a, b, c):
+            agent.close()
