@@ -130,7 +130,11 @@ class PrefillNode(TransferNode):
         if entry is None:  # finished at its first token: nothing held
             reason = out.finish_reason.wire_name if out.finish_reason is not None else None
             return PrefillResult(
-                request_id=msg.request_id, first_token_id=token, finish_reason=reason, kv=None
+                request_id=msg.request_id,
+                first_token_id=token,
+                finish_reason=reason,
+                kv=None,
+                num_cached_tokens=out.num_cached_tokens or 0,
             )
         kv = KVHandle(
             engine_id=self.engine_id,
@@ -141,7 +145,11 @@ class PrefillNode(TransferNode):
             transfer_key=entry.transfer_key,
         )
         return PrefillResult(
-            request_id=msg.request_id, first_token_id=token, finish_reason=None, kv=kv
+            request_id=msg.request_id,
+            first_token_id=token,
+            finish_reason=None,
+            kv=kv,
+            num_cached_tokens=out.num_cached_tokens or 0,
         )
 
     async def handle_extend(self, request: web.Request) -> web.Response:

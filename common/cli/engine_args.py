@@ -37,6 +37,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="attention/KV kernels (default: $PDSERVE_KERNELS or auto: Triton on CUDA, "
         "torch on CPU)",
     )
+    g.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (default: shared prefixes are cached and reused)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -51,4 +57,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         threads=args.threads,
         kernel_backend=args.kernel_backend,
+        enable_prefix_caching=args.prefix_caching,
     )

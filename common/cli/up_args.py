@@ -77,5 +77,6 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
             continue
         value = getattr(args, action.dest, action.default)
         if value != action.default:
-            flags += [action.option_strings[0], str(value)]
+            flag = action.option_strings[0]
+            flags += [flag] if action.nargs == 0 else [flag, str(value)]  # a switch: no value
     return flags

@@ -1,19 +1,33 @@
-"""The node's KV block allocator: the only place a block is freed.
+"""The node's KV block allocator: the only place a block is freed, and the prefix cache.
 
-Every block is in exactly one state:
-    FREE      on the free list, ref count 0
+A block is FREE (no reference) or allocated. Each reference to an allocated block is held
+in one state, by one owner:
     USED      computed or being computed for a local sequence
     HELD      prompt KV kept by a prefill node for transfer (under a lease)
     RESERVED  destination reserved by a decode node for an incoming transfer
-Non-free blocks carry a ref count >= 1 (`fork` shares a block); a block returns
-to the free list when its last reference is freed.
+A block may have several references (prefix sharing), possibly in different states (a
+prompt prefix HELD for one transfer and USED by a running sequence); it is FREE again when
+its last reference is dropped. Each block counts once in `counts()`, in its strongest
+state (RESERVED, then HELD, then USED).
+
+Prefix cache: a full block whose KV is computed may be registered under its chained hash
+(`block_hash`). Registered blocks are found by `lookup` and shared by `share`; when their
+last reference goes they stay on the free list, still registered, as *cached* blocks:
+free (they count as free), and reused by a later `lookup` until `allocate` needs them.
+`allocate` takes blocks that cache nothing first, then the least recently freed cached
+ones (LRU eviction). A block with a RESERVED reference cannot be registered (its bytes may
+still be coming); a registered block may be shared into a reservation (a decode node's
+cached prefix, which the transfer then skips).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Iterable
+import hashlib
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 from enum import Enum
+
+import numpy as np
 
 from common.wire.fsm import Transitions
 
@@ -25,7 +39,7 @@ class BlockState(str, Enum):
     RESERVED = "reserved"
 
 
-# Legal state changes of allocated blocks (freeing is separate: see `free`).
+# Legal state changes of one reference (freeing is separate: see `free`).
 MOVES: Transitions[BlockState] = Transitions(
     "block",
     {
@@ -36,9 +50,34 @@ MOVES: Transitions[BlockState] = Transitions(
     },
 )
 
+_STRENGTH = (BlockState.RESERVED, BlockState.HELD, BlockState.USED)
+
 
 class AllocatorError(RuntimeError):
     """An illegal allocator operation: a bug in the caller, never user input."""
+
+
+def block_hash(parent: int | None, token_ids: Sequence[int], salt: bytes = b"") -> int:
+    """The chained hash of one full block: it names the KV of these tokens after exactly
+    the tokens its parent hash names, under `salt` (whatever else changes the KV: model,
+    dtype, block size). 128 bits of SHA-256, the same in every process."""
+    h = hashlib.sha256(salt)
+    h.update(b"\0" * 16 if parent is None else parent.to_bytes(16, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest()[:16], "little")
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, salt: bytes = b"", start: list[int] | None = None
+) -> list[int]:
+    """Chained hashes of every full block of `token_ids` (extending `start`, the hashes of
+    the first blocks if already known)."""
+    out = list(start or [])
+    parent = out[-1] if out else None
+    for i in range(len(out), len(token_ids) // block_size):
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
+        out.append(parent)
+    return out
 
 
 class BlockAllocator:
@@ -46,98 +85,244 @@ class BlockAllocator:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # Free blocks in allocation order: uncached first, then cached, least recent first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._holders: list[Counter[BlockState]] = [Counter() for _ in range(num_blocks)]
         self._ref = [0] * num_blocks
-        self._state = [BlockState.FREE] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
         self._counts = {s: 0 for s in BlockState}
         self._counts[BlockState.FREE] = num_blocks
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
+        """Free blocks, cached ones included (they are reused before anything is refused)."""
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks (free or not)."""
+        return len(self._by_hash)
 
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= len(self._free)
 
     def allocate(self, n: int, state: BlockState = BlockState.USED) -> list[int]:
-        """Take `n` free blocks into `state` with ref count 1."""
+        """Take `n` free blocks into `state` with one reference each (evicting cached ones
+        if the uncached run out)."""
         if state is BlockState.FREE:
             raise AllocatorError("cannot allocate into FREE")
         if not self.can_allocate(n):
             raise AllocatorError(f"asked for {n} blocks, {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
-        for b in ids:
-            self._ref[b] = 1
-            self._state[b] = state
-        self._counts[BlockState.FREE] -= n
-        self._counts[state] += n
+        ids = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._unregister(b)
+            self._take(b, state)
+            ids.append(b)
         return ids
 
+    def share(self, block_ids: Iterable[int], state: BlockState = BlockState.USED) -> None:
+        """Add a reference in `state` to each block: allocated ones, or cached free ones
+        (which leave the free list). All or nothing."""
+        if state is BlockState.FREE:
+            raise AllocatorError("cannot share into FREE")
+        ids = list(block_ids)
+        for b in ids:
+            self._require_range(b)
+            if self._ref[b] == 0 and self._hash[b] is None:
+                raise AllocatorError(f"block {b} is free and caches nothing")
+        for b in ids:
+            if self._ref[b] == 0:
+                del self._free[b]
+                self._take(b, state)
+            else:
+                self._add_ref(b, state)
+
     def fork(self, block_ids: Iterable[int]) -> None:
-        """Add a reference to each (allocated) block. All or nothing."""
+        """Add a reference to each (allocated) block, in its current state. All or nothing."""
         ids = list(block_ids)
         for b in ids:
             self._require_allocated(b)
         for b in ids:
-            self._ref[b] += 1
+            self._add_ref(b, self.state(b))
 
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each block; a block at zero refs becomes FREE.
+    def free(self, block_ids: Iterable[int], state: BlockState | None = None) -> None:
+        """Drop one reference from each block (held in `state`; default: the block's own
+        state, which must then be its only one); a block at zero refs becomes FREE (and
+        stays cached if registered).
 
-        All or nothing: a call naming a free block, or dropping more references
-        than a block has, raises before changing anything.
+        All or nothing: a call naming a free block, or dropping more references than a
+        block has in that state, raises before changing anything.
         """
         ids = list(block_ids)
+        states: dict[int, BlockState] = {}
         for b, n in Counter(ids).items():
             self._require_allocated(b)
-            if n > self._ref[b]:
-                raise AllocatorError(f"block {b}: {n} frees for {self._ref[b]} references")
-        for b in ids:
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                self._counts[self._state[b]] -= 1
-                self._counts[BlockState.FREE] += 1
-                self._state[b] = BlockState.FREE
-                self._free.append(b)
+            s = states[b] = state if state is not None else self._only_state(b)
+            if n > self._holders[b][s]:
+                raise AllocatorError(
+                    f"block {b}: {n} frees for {self._holders[b][s]} {s.value} references"
+                )
+        for b in ids:  # in the caller's order: it decides which block is reused first
+            self._drop_ref(b, states[b])
 
-    def transition(self, block_ids: Iterable[int], new: BlockState) -> None:
-        """Move allocated blocks to `new` (USED->HELD, HELD->USED, RESERVED->USED)."""
+    def transition(
+        self, block_ids: Iterable[int], new: BlockState, old: BlockState | None = None
+    ) -> None:
+        """Move one reference of each block from `old` (default: its only state) to `new`
+        (USED->HELD, HELD->USED, RESERVED->USED). All or nothing."""
         ids = list(block_ids)
-        for b in ids:
+        states: dict[int, BlockState] = {}
+        for b, n in Counter(ids).items():
             self._require_allocated(b)
-            if not MOVES.allows(self._state[b], new):
-                raise AllocatorError(f"block {b}: illegal {self._state[b].value} -> {new.value}")
+            s = states[b] = old if old is not None else self._only_state(b)
+            if not MOVES.allows(s, new) or self._holders[b][s] < n:
+                raise AllocatorError(f"block {b}: illegal {s.value} -> {new.value}")
         for b in ids:
-            self._counts[self._state[b]] -= 1
-            self._counts[new] += 1
-            self._state[b] = new
+            s = states[b]
+            before = self.state(b)
+            self._holders[b][s] -= 1
+            self._holders[b][new] += 1
+            self._recount(b, before)
+
+    # -- the prefix cache ---------------------------------------------------------------
+
+    def register(self, block_id: int, h: int) -> bool:
+        """Name an allocated, computed, full block by its chained hash. False (and nothing
+        changes) if the block is already named, or another block holds that content."""
+        self._require_allocated(block_id)
+        if self._holders[block_id][BlockState.RESERVED]:
+            raise AllocatorError(f"block {block_id}: a RESERVED block cannot be registered")
+        if self._hash[block_id] is not None or h in self._by_hash:
+            return False
+        self._hash[block_id] = h
+        self._by_hash[h] = block_id
+        return True
+
+    def lookup(self, hashes: Iterable[int]) -> list[int]:
+        """The blocks holding the longest cached prefix of `hashes` (allocated or free)."""
+        out = []
+        for h in hashes:
+            b = self._by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def hash_of(self, block_id: int) -> int | None:
+        return self._hash[block_id]
+
+    def is_cached_free(self, block_id: int) -> bool:
+        return self._ref[block_id] == 0 and self._hash[block_id] is not None
+
+    # -- introspection --------------------------------------------------------------------
 
     def state(self, block_id: int) -> BlockState:
-        return self._state[block_id]
+        """FREE, or the strongest state any reference to the block is held in."""
+        holders = self._holders[block_id]
+        for s in _STRENGTH:
+            if holders[s]:
+                return s
+        return BlockState.FREE
+
+    def holders(self, block_id: int) -> dict[BlockState, int]:
+        """References to the block, by the state each is held in."""
+        return {s: n for s, n in self._holders[block_id].items() if n}
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
     def counts(self) -> dict[str, int]:
-        """Blocks per state plus the total, as a later /state endpoint shows them."""
+        """Blocks per state (each once, in its strongest state) plus the total; cached free
+        blocks count as free."""
         out = {s.value: self._counts[s] for s in BlockState}
         out["total"] = self.num_blocks
         return out
 
+    def cache_counts(self) -> dict[str, int]:
+        """The prefix cache: registered blocks, those free (evictable), those shared."""
+        cached_free = sum(1 for b in self._by_hash.values() if self._ref[b] == 0)
+        return {
+            "cached": len(self._by_hash),
+            "cached_free": cached_free,
+            "shared": sum(1 for r in self._ref if r > 1),
+            "evictions": self.evictions,
+        }
+
     def check_integrity(self) -> None:
-        """Assert free + used + held + reserved == total and the books agree."""
+        """Assert the books balance: each block once, in one state; free blocks are exactly
+        those without references; the hash index and the block names agree. Cached free
+        blocks count as free."""
         c = self._counts
         assert sum(c.values()) == self.num_blocks, c
-        assert len(set(self._free)) == len(self._free) == c[BlockState.FREE]
+        assert len(self._free) == c[BlockState.FREE], (len(self._free), c)
         for s in BlockState:
-            assert sum(1 for x in self._state if x is s) == c[s], (s, c)
+            assert sum(1 for b in range(self.num_blocks) if self.state(b) is s) == c[s], (s, c)
         for b in range(self.num_blocks):
-            free = self._state[b] is BlockState.FREE
-            assert free == (self._ref[b] == 0), (b, self._state[b], self._ref[b])
-        assert all(self._state[b] is BlockState.FREE for b in self._free)
+            assert sum(self._holders[b].values()) == self._ref[b], (b, self._holders[b])
+            assert min(self._holders[b].values(), default=0) >= 0, (b, self._holders[b])
+            assert (b in self._free) == (self._ref[b] == 0), (b, self._ref[b])
+            h = self._hash[b]
+            assert h is None or self._by_hash.get(h) == b, (b, h)
+        assert all(self._hash[b] == h for h, b in self._by_hash.items())
 
-    def _require_allocated(self, b: int) -> None:
+    # -- internals ------------------------------------------------------------------------
+
+    def _take(self, b: int, state: BlockState) -> None:
+        """A free block (already off the free list) gets its first reference."""
+        self._ref[b] = 1
+        self._holders[b] = Counter({state: 1})
+        self._counts[BlockState.FREE] -= 1
+        self._counts[state] += 1
+
+    def _add_ref(self, b: int, state: BlockState) -> None:
+        before = self.state(b)
+        self._ref[b] += 1
+        self._holders[b][state] += 1
+        self._recount(b, before)
+
+    def _drop_ref(self, b: int, state: BlockState) -> None:
+        before = self.state(b)
+        self._ref[b] -= 1
+        self._holders[b][state] -= 1
+        if self._ref[b]:
+            self._recount(b, before)
+            return
+        self._holders[b] = Counter()
+        self._counts[before] -= 1
+        self._counts[BlockState.FREE] += 1
+        self._free[b] = None  # cached: last in line for eviction
+        if self._hash[b] is None:
+            self._free.move_to_end(b, last=False)  # uncached: first to be reused
+
+    def _recount(self, b: int, before: BlockState) -> None:
+        after = self.state(b)
+        if after is not before:
+            self._counts[before] -= 1
+            self._counts[after] += 1
+
+    def _unregister(self, b: int) -> None:
+        h = self._hash[b]
+        if h is not None:
+            del self._by_hash[h]
+            self._hash[b] = None
+            self.evictions += 1
+
+    def _only_state(self, b: int) -> BlockState:
+        states = [s for s, n in self._holders[b].items() if n]
+        if len(states) != 1:
+            raise AllocatorError(
+                f"block {b} is held in {sorted(s.value for s in states)}: name the state"
+            )
+        return states[0]
+
+    def _require_range(self, b: int) -> None:
         if not 0 <= b < self.num_blocks:
             raise AllocatorError(f"block id {b} out of range [0, {self.num_blocks})")
+
+    def _require_allocated(self, b: int) -> None:
+        self._require_range(b)
         if self._ref[b] == 0:
             raise AllocatorError(f"block {b} is free (double free or stale id)")

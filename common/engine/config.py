@@ -22,6 +22,9 @@ class EngineConfig:
     # auto | triton | torch; None: the process default ($PDSERVE_KERNELS, else auto).
     # auto runs Triton on CUDA and the torch reference on CPU (kernels/dispatch.py).
     kernel_backend: str | None = None
+    # Automatic prefix caching: full blocks are shared by chained hash and kept, once free,
+    # until their space is needed (block_allocator.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

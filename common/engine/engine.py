@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -85,6 +85,10 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
             mc.eos_token_ids,
+            prefix_caching=config.enable_prefix_caching,
+            # Everything else the KV of a block depends on: the same tokens under another
+            # model, dtype or block size are other bytes.
+            cache_salt=f"{self.weights_hash}/{self.dtype}/{config.block_size}".encode(),
         )
         self.kernels = kernels_for(config.device, config.kernel_backend)
         log.info("kernels: %s on %s", self.kernels.name, config.device)
@@ -358,16 +362,18 @@ class LLMEngine:
 
     def _admit(self, seq: Sequence) -> None:
         record = self._records[seq.request_id]
-        self.allocator.transition(record.blocks, BlockState.USED)
+        self.allocator.transition(record.blocks, BlockState.USED, BlockState.RESERVED)
         seq.block_table = record.blocks
         seq.num_computed_tokens = seq.num_tokens - 1  # all but the first token's KV
         seq.scheduled_time = time.time()
         record.admit(seq)
         self.scheduler.add_running(seq)
+        self.scheduler.register_computed(seq)  # the landed prompt blocks can be shared now
 
     def _free_kept(self, record: RequestRecord) -> None:
         """Free a HELD or RESERVED block set and drop its record."""
-        self.allocator.free(record.blocks)
+        state = BlockState.HELD if record.stage is Stage.HELD else BlockState.RESERVED
+        self.allocator.free(record.blocks, state)
         self._forget(record.request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -389,6 +395,12 @@ class LLMEngine:
                 "running": len(self.scheduler.running),
                 "held": stages.count(Stage.HELD),
                 "reserved": stages.count(Stage.RESERVED),
+            },
+            "prefix_cache": {
+                **self.allocator.cache_counts(),
+                "enabled": self.scheduler.prefix_caching,
+                "queried_tokens": self.scheduler.prefix_queries,
+                "hit_tokens": self.scheduler.prefix_hits,
             },
             "queued_prefill_tokens": sum(s.num_uncomputed for s in self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
@@ -413,12 +425,22 @@ class LLMEngine:
 
         Raises AssertionError naming the books that disagree."""
         self.allocator.check_integrity()
-        counts = self.allocator.counts()
-        owned = sum(len(s.block_table) for s in self.scheduler.running)
-        assert owned == counts["used"], ("used", owned, counts)
-        kept = {Stage.HELD: 0, Stage.RESERVED: 0}
+        # Every reference the allocator counts has its owner, in the state it is held in:
+        # a running sequence (USED), or a kept HELD or RESERVED set. Shared blocks have one
+        # reference per owner; cached free blocks have none.
+        owners: dict[int, Counter[BlockState]] = defaultdict(Counter)
+        for seq in self.scheduler.running:
+            for b in seq.block_table:
+                owners[b][BlockState.USED] += 1
         for record in self._records.values():
             if record.seq is None:
-                kept[record.stage] += len(record.blocks)
-        assert kept[Stage.HELD] == counts["held"], ("held", kept, counts)
-        assert kept[Stage.RESERVED] == counts["reserved"], ("reserved", kept, counts)
+                state = BlockState.HELD if record.stage is Stage.HELD else BlockState.RESERVED
+                for b in record.blocks:
+                    owners[b][state] += 1
+        for b in range(self.allocator.num_blocks):
+            assert self.allocator.holders(b) == dict(owners.get(b, {})), (
+                "owners",
+                b,
+                self.allocator.holders(b),
+                dict(owners.get(b, {})),
+            )

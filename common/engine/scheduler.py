@@ -7,6 +7,11 @@ first, within a per-step token budget; waiting ones join while budget, sequence
 slots and blocks allow. When a running sequence needs a block and none is free,
 the newest running sequence is preempted: its blocks are freed and it waits to be
 recomputed. A sequence samples a token when its step computes its last token.
+
+Prefix caching (on unless `prefix_caching=False`): when a sequence without blocks is
+scheduled (new, or preempted), the longest run of its full blocks already in the cache is
+shared instead of computed, always leaving at least one token to compute so the step
+samples. Each block is registered under its chained hash once its tokens are computed.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from common.engine.block_allocator import BlockAllocator, BlockState
+from common.engine.block_allocator import BlockAllocator, BlockState, block_hashes
 from common.engine.sequence import FinishReason, SeqStatus, Sequence
 
 
@@ -51,8 +56,10 @@ class StepOutput:
     # HELD only: the prompt's KV blocks, kept for transfer (the request stops here to be
     # decoded elsewhere: finished, no finish_reason).
     held_blocks: list[int] | None = None
-    # On a request's first output only: (arrival, first scheduled), wall-clock seconds.
+    # On a request's first output only: (arrival, first scheduled), wall-clock seconds,
+    # and how many prompt tokens the prefix cache saved it (usage.cached_tokens).
     times: tuple[float, float] | None = None
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (self.held_blocks is not None) != (self.kind is OutputKind.HELD):
@@ -70,8 +77,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        prefix_caching: bool = True,
+        cache_salt: bytes = b"",
     ) -> None:
         self.allocator = allocator
+        self.prefix_caching = prefix_caching
+        self.cache_salt = cache_salt
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of them, found cached
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -129,19 +142,62 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
+            hits = self._cached_prefix(seq)
+            cached = len(hits) * self.block_size
+            n = min(seq.num_uncomputed - cached, budget)
             reserve = self.watermark if self.running else 0
-            if not self.allocator.can_allocate(self.blocks_needed(seq, n) + reserve):
+            need = -(-(seq.num_computed_tokens + cached + n) // self.block_size) - len(hits)
+            revived = sum(1 for b in hits if self.allocator.is_cached_free(b))
+            if not self.allocator.can_allocate(need + revived + reserve):
                 break
             self.waiting.popleft()
+            if hits:
+                self.allocator.share(hits)
+                seq.block_table = hits
+                seq.num_registered = len(hits)  # (they are registered already)
+                seq.num_computed_tokens = cached
+            if seq.scheduled_time is None:  # its first schedule: what the cache saved it
+                seq.num_cached_tokens = cached
+                self.prefix_queries += seq.num_prompt_tokens
+                self.prefix_hits += cached
             seq.transition(SeqStatus.RUNNING)
             if seq.scheduled_time is None:
                 seq.scheduled_time = time.time()
-            self._grow(seq, n)
+            self._grow(seq, seq.num_computed_tokens + n)
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             entries.append((seq, n))
             budget -= n
         return self._order(entries)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a sequence without blocks may start from (never all of its
+        tokens: the step must compute one to sample)."""
+        if not self.prefix_caching or seq.block_table or seq.num_computed_tokens:
+            return []
+        usable = (seq.num_tokens - 1) // self.block_size
+        if usable <= 0:
+            return []
+        self._hash_blocks(seq, usable * self.block_size)
+        return self.allocator.lookup(seq.block_hashes[:usable])
+
+    def _hash_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend seq.block_hashes over its full blocks within its first num_tokens."""
+        if len(seq.block_hashes) < num_tokens // self.block_size:
+            seq.block_hashes = block_hashes(
+                seq.token_ids[:num_tokens], self.block_size, self.cache_salt, seq.block_hashes
+            )
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Name the sequence's full, computed blocks in the cache (after a step)."""
+        if not self.prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered:
+            return
+        self._hash_blocks(seq, full * self.block_size)
+        for i in range(seq.num_registered, full):
+            self.allocator.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered = full
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[StepOutput]:
         """Advance computed counts, append sampled tokens, finish stopped sequences.
@@ -153,6 +209,7 @@ class Scheduler:
         it = iter(sampled)
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             seq.num_computed_tokens += n
+            self.register_computed(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that is not the last one
             token = next(it)
@@ -165,10 +222,10 @@ class Scheduler:
                 held = self._hold(seq)
                 kind = OutputKind.HELD
                 outputs.append(StepOutput(seq.request_id, [token], True, None, kind, held))
-                outputs[-1].times = _times(seq)
+                _first_output(outputs[-1], seq)
                 continue
             out = StepOutput(seq.request_id, [token], reason is not None, reason)
-            out.times = _times(seq)
+            _first_output(out, seq)
             outputs.append(out)
         return outputs
 
@@ -176,7 +233,7 @@ class Scheduler:
         """Stop `seq` after its first token, keeping its prompt KV blocks as HELD."""
         self.running.remove(seq)
         held, seq.block_table = seq.block_table, []
-        self.allocator.transition(held, BlockState.HELD)
+        self.allocator.transition(held, BlockState.HELD, BlockState.USED)
         seq.transition(SeqStatus.FINISHED)
         return held
 
@@ -198,9 +255,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.block_table)
+        self.allocator.free(seq.block_table, BlockState.USED)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_registered = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.transition(SeqStatus.WAITING)
@@ -213,7 +270,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.block_table:
-            self.allocator.free(seq.block_table)
+            self.allocator.free(seq.block_table, BlockState.USED)
             seq.block_table = []
         seq.finish_reason = reason
         seq.transition(SeqStatus.FINISHED)
@@ -238,9 +295,10 @@ class Scheduler:
         return batch
 
 
-def _times(seq: Sequence) -> tuple[float, float] | None:
-    """(arrival, first scheduled) the first time `seq` produces output, else None."""
+def _first_output(out: StepOutput, seq: Sequence) -> None:
+    """On the first output of `seq`: its (arrival, first scheduled) times and its cache hit."""
     if seq.times_reported:
-        return None
+        return
     seq.times_reported = True
-    return seq.arrival_time, seq.scheduled_time or seq.arrival_time
+    out.times = seq.arrival_time, seq.scheduled_time or seq.arrival_time
+    out.num_cached_tokens = seq.num_cached_tokens

@@ -61,6 +61,12 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []
+        # Prefix caching: chained hashes of the full blocks of token_ids computed so far,
+        # how many leading blocks of block_table are registered in the cache, and how many
+        # prompt tokens the first schedule found cached (usage.cached_tokens).
+        self.block_hashes: list[int] = []
+        self.num_registered = 0
+        self.num_cached_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         # Prefill role: after the first token, keep the prompt's KV blocks (HELD)

@@ -353,6 +353,7 @@ async def stream_outputs(
                 token_ids=out.new_token_ids,
                 finish_reason=reason,
                 events=events,
+                num_cached_tokens=out.num_cached_tokens,
             )
             await resp.write(to_json(delta) + b"\n")
     except RuntimeError as e:  # the engine died mid-stream

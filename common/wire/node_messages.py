@@ -88,6 +88,7 @@ class PrefillResult(Message):
     finish_reason: FinishReasonName | None  # set if the request ended at its first token
     kv: KVHandle | None  # set iff finish_reason is None
     events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # for the trace
+    num_cached_tokens: int = Field(default=0, ge=0)  # prompt tokens the prefix cache saved
 
 
 @register
@@ -119,6 +120,7 @@ class TokenDelta(Message):
     error: str | None = None
     error_code: str | None = None  # e.g. kv_failed, kv_timeout: the proxy may retry elsewhere
     events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # first line only
+    num_cached_tokens: int | None = Field(default=None, ge=0)  # first line only
 
 
 @register

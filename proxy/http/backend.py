@@ -37,6 +37,7 @@ class TokenChunk:
 
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None
+    num_cached_tokens: int | None = None  # first chunk: prompt tokens served from a cache
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:

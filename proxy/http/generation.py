@@ -49,7 +49,9 @@ class Generation:
         return self.prep.request_id
 
     def usage(self) -> Usage:
-        return make_usage(self.prep.num_prompt_tokens, self.text.completion_tokens)
+        return make_usage(
+            self.prep.num_prompt_tokens, self.text.completion_tokens, self.text.cached_tokens
+        )
 
     async def close(self) -> None:
         """Close the backend stream (idempotent); cancels the request if it is still running."""

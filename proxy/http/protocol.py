@@ -277,10 +277,15 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class CompletionChoice(_Response):

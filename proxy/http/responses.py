@@ -21,6 +21,7 @@ from proxy.http.protocol import (
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     Usage,
 )
 from proxy.http.text_stream import TextDelta
@@ -36,11 +37,12 @@ def sse_error(error: ApiError) -> bytes:
     return sse_event(json.dumps(error.body()))
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=min(cached_tokens, prompt_tokens)),
     )
 
 

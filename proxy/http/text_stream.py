@@ -89,6 +89,8 @@ class TextStream:
         self._stops = StopMatcher(stop)
         self._stop_ids = frozenset(stop_token_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of the prompt, as the first chunk reports it
+        self._first = True
         self.finish_reason: str | None = None
 
     @property
@@ -99,6 +101,9 @@ class TextStream:
         """The text `chunk` completes. A delta with a finish reason is the last one."""
         if self.finished:
             raise RuntimeError("TextStream: chunk after the stream finished")
+        if self._first and chunk.num_cached_tokens is not None:
+            self.cached_tokens = chunk.num_cached_tokens  # (a migration's re-prefill: not it)
+        self._first = False
         self.completion_tokens += len(chunk.token_ids)
         visible = self._visible_ids(chunk)
         text = self._detok.push(visible)

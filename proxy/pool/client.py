@@ -150,7 +150,7 @@ class NodeStream:
             if delta.error_code in KV_ERROR_CODES:  # the KV never came: re-prefill may help
                 raise NodeLost(self.url, message, node_down=False)
             raise BackendError.failed(message)
-        return TokenChunk(list(delta.token_ids), delta.finish_reason)
+        return TokenChunk(list(delta.token_ids), delta.finish_reason, delta.num_cached_tokens)
 
 
 class NodeClient:

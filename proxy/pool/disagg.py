@@ -107,7 +107,7 @@ class DisaggBackend:
     async def _attempt(self, req: GenerationRequest) -> TokenStream:
         """Prefill `req`, yield its first token, queue it for decode and relay the stream."""
         prefill_url, result = await self._prefill(req)
-        first = TokenChunk([result.first_token_id], result.finish_reason)
+        first = TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens)
         if result.kv is None:
             yield first
             return

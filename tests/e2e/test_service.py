@@ -87,6 +87,38 @@ def test_openai_client_streams_chat_and_completion_equal_to_offline(
     cluster.wait_baseline()
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(
+    cluster: Cluster, tokenizer: Tokenizer
+) -> None:
+    """Issue 14: usage.prompt_tokens_details.cached_tokens, streamed and not, on both
+    endpoints. Of three identical requests, two reach the same prefill node (there are at
+    most two), and the later of them finds the prompt cached."""
+    client = _client(cluster)
+    model = _model(client)
+    prompt = tokenizer.decode(tokenizer.encode(CORPUS)[:120])
+    common = {"model": model, "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    texts, cached, n_prompt = set(), [], 0
+    for _ in range(3):
+        full = client.completions.create(prompt=prompt, **common)
+        assert full.usage is not None and full.usage.prompt_tokens_details is not None
+        texts.add(full.choices[0].text)
+        cached.append(full.usage.prompt_tokens_details.cached_tokens)
+        n_prompt = full.usage.prompt_tokens
+    assert len(texts) == 1 and max(cached[1:]) >= 0.75 * n_prompt, (cached, n_prompt)
+    messages = [{"role": "user", "content": prompt}]
+    chat_cached = []
+    for _ in range(3):
+        stream = client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **common
+        )
+        usage = [c.usage for c in stream if c.usage is not None][-1]
+        assert usage.prompt_tokens_details is not None
+        chat_cached.append(usage.prompt_tokens_details.cached_tokens)
+        n_prompt = usage.prompt_tokens
+    assert max(chat_cached[1:]) >= 0.75 * n_prompt, (chat_cached, n_prompt)
+    cluster.wait_baseline()  # cached blocks are free blocks
+
+
 def test_concurrent_mixed_requests_match_offline_and_free_every_block(
     cluster: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:

@@ -96,6 +96,8 @@ def test_node_command_lines(tmp_path: Path) -> None:
     )
     assert isinstance(args, argparse.Namespace)
     assert engine_flags(args) == ["--num-blocks", "64"]
+    switched = build_parser().parse_args(["up", "--no-prefix-caching", "--model", "M"])
+    assert engine_flags(switched) == ["--no-prefix-caching"]  # a switch passes on bare
     cfg = UpConfig(model="M", prefill=2, kv_backend="zmq", node_args=tuple(engine_flags(args)))
     nodes = plan_nodes(cfg, tmp_path)
     assert [n.name for n in nodes] == ["prefill-0", "prefill-1", "decode-0"]

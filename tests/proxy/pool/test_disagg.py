@@ -33,7 +33,7 @@ def test_first_token_from_prefill_then_the_decode_stream() -> None:
             backend = DisaggBackend(stack.registry, stack.client, stack.queue, DisaggConfig(7.0))
             chunks = await _collect(backend.generate(_request()))
             assert chunks == [
-                TokenChunk([7]),
+                TokenChunk([7], None, 0),
                 TokenChunk([8]),
                 TokenChunk([9]),
                 TokenChunk([10], "length"),
@@ -54,7 +54,7 @@ def test_the_first_token_does_not_wait_for_decode_capacity_and_close_cancels_the
         async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
             backend = DisaggBackend(stack.registry, stack.client, stack.queue)
             stream = backend.generate(_request())
-            assert await asyncio.wait_for(anext(stream), 1.0) == TokenChunk([7])
+            assert await asyncio.wait_for(anext(stream), 1.0) == TokenChunk([7], None, 0)
             assert stack.queue.depth == 1  # queued before the first token was handed out
             waiting = asyncio.ensure_future(anext(stream))
             await asyncio.sleep(0.1)
@@ -106,7 +106,7 @@ def test_a_request_finished_at_its_first_token_never_reaches_decode() -> None:
         prefill.finish_at_first = "stop"
         async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
             backend = DisaggBackend(stack.registry, stack.client, stack.queue)
-            assert await _collect(backend.generate(_request())) == [TokenChunk([7], "stop")]
+            assert await _collect(backend.generate(_request())) == [TokenChunk([7], "stop", 0)]
             assert decode.calls == [] and stack.queue.depth == 0
 
     run(body())
