@@ -76,6 +76,7 @@ class Incoming:
     peer_id: str | None = None
     failure: str = ""
     quiescent: bool = False  # the layer's terminal event came: nothing can land any more
+    skip_blocks: int = 0  # leading blocks already cached here: not transferred
     events: list[tuple[str, float]] = field(default_factory=list)  # for the trace
     created: float = field(default_factory=time.monotonic)
 

@@ -86,7 +86,7 @@ class DecodeNode(TransferNode):
             msg.prompt_token_ids, msg.first_token_id, msg.sampling, msg.kv.num_tokens,
             msg.kv.num_blocks,
         )  # fmt: skip
-        blocks = await self.front.reserve(msg.request_id, msg.kv.num_tokens)
+        blocks = await self.front.reserve(msg.request_id, msg.kv.num_tokens, msg.prompt_token_ids)
         if blocks is None:
             raise ApiError(503, "decode node is full", type=SERVER_ERROR, code="decode_full")
         assert len(blocks) == msg.kv.num_blocks, (len(blocks), msg.kv)  # validate_prefilled
@@ -95,6 +95,9 @@ class DecodeNode(TransferNode):
         record = self.engine.record(msg.request_id)
         assert record is not None and record.transfer is None, msg.request_id
         record.transfer = entry
+        entry.skip_blocks = record.num_cached_blocks
+        if entry.skip_blocks:
+            entry.events.append((f"decode cache hit {entry.skip_blocks} blocks", time.time()))
         # Headers go out once the blocks are reserved: the proxy's dispatcher moves
         # on to the next queued request while this one's KV is in flight.
         resp = ndjson_response()
@@ -127,7 +130,13 @@ class DecodeNode(TransferNode):
         if entry.cancelled:
             raise ApiError(409, f"request {entry.request_id} was cancelled", code="cancelled")
         try:
-            self.agent.request_transfer(peer_id, entry.request_id, blocks, msg.kv.transfer_key)
+            self.agent.request_transfer(
+                peer_id,
+                entry.request_id,
+                blocks[entry.skip_blocks :],
+                msg.kv.transfer_key,
+                skip_blocks=entry.skip_blocks,
+            )
         except TransferRejected as e:
             raise ApiError(
                 502, f"KV transfer refused: {e}", type=SERVER_ERROR, code="kv_failed"
@@ -154,6 +163,12 @@ class DecodeNode(TransferNode):
             )
         entry.transition(IncomingState.LANDED)  # from here the blocks are the sequence's
         entry.events.append(("transfer done", time.time()))
+        moved = len(blocks) - entry.skip_blocks
+        nbytes = moved * self.engine.block_bytes
+        entry.events.append((f"kv moved {moved} of {len(blocks)} blocks, {nbytes} B", time.time()))
+        self.metrics.kv_blocks_cached.inc(entry.skip_blocks)
+        self.metrics.kv_blocks_transferred.inc(moved)
+        self.metrics.transfer_bytes.observe(nbytes)
 
     async def _peer(self, address: str) -> str:
         peer_id = self._peers.get(address)

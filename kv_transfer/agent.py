@@ -191,9 +191,11 @@ class KVTransferAgent:
         request_id: str,
         dst_block_ids: Sequence[int],
         transfer_key: str = "",
+        skip_blocks: int = 0,
     ) -> None:
         """Ask the peer to write request_id's KV into our (reserved) dst_block_ids;
-        `transfer_key` is the capability the sender gave out for that KV (if it uses one).
+        `transfer_key` is the capability the sender gave out for that KV (if it uses one),
+        `skip_blocks` how many of its leading blocks we have already (not to be sent).
 
         Sends a TransferRequest and expects the write: this side then gets one
         terminal event (KVReceived, TransferFailed, or Quiescent after abort()).
@@ -209,6 +211,7 @@ class KVTransferAgent:
             dst_engine_id=self.engine_id,
             dst_block_ids=dst.tolist(),
             transfer_key=transfer_key,
+            skip_blocks=skip_blocks,
         )
         self._submit(ExpectCmd(IncomingTransfer(request_id, peer_id, dst), request))
 

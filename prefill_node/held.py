@@ -54,6 +54,7 @@ class HeldKV:
     transfer_key: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
     state: HeldState = HeldState.HELD
     peer_id: str | None = None  # the decode node's agent, once SENDING
+    sent_blocks: int = 0  # how many (the decode node may have a prefix cached already)
     sent_at: float = 0.0
     created: float = field(default_factory=time.monotonic)
 

@@ -244,12 +244,16 @@ class PrefillNode(TransferNode):
         if entry.state is not HeldState.HELD:
             self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason="already sending"))
             return
-        if len(req.dst_block_ids) != entry.num_blocks:
-            why = f"{len(req.dst_block_ids)} destination blocks for {entry.num_blocks} held"
+        if req.skip_blocks + len(req.dst_block_ids) != entry.num_blocks or not req.dst_block_ids:
+            why = (
+                f"{req.skip_blocks} cached + {len(req.dst_block_ids)} destination blocks for "
+                f"{entry.num_blocks} held"
+            )
             self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=why))
             return
         entry.transition(HeldState.SENDING)
         entry.peer_id = peer_id
+        entry.sent_blocks = len(req.dst_block_ids)
         entry.sent_at = time.monotonic()
         if self.config.debug_transfer_delay_s:
             self.spawn(self._write_later(peer_id, req), f"write-{req.request_id}")
@@ -266,7 +270,8 @@ class PrefillNode(TransferNode):
             self._release(entry, "cancelled before the write")
             return
         try:
-            self.agent.write(req.request_id, peer_id, record.blocks, req.dst_block_ids)
+            src = record.blocks[req.skip_blocks :]  # what the decode node does not have
+            self.agent.write(req.request_id, peer_id, src, req.dst_block_ids)
         except TransferRejected as e:  # aborted (a cancel came first) or the peer is gone
             self._tell_aborted(peer_id, req.request_id, str(e))
             self._release(entry, f"write refused: {e}")
@@ -286,5 +291,6 @@ class PrefillNode(TransferNode):
             return
         if ok:
             self.metrics.transfer_seconds.observe(time.monotonic() - entry.sent_at)
-            self.metrics.transfer_bytes.observe(entry.num_blocks * self.engine.block_bytes)
+            self.metrics.transfer_bytes.observe(entry.sent_blocks * self.engine.block_bytes)
+            self.metrics.kv_blocks_transferred.inc(entry.sent_blocks)
         self._release(entry, "transfer done" if ok else "transfer ended")

@@ -144,20 +144,30 @@ class LLMEngine:
 
     # -- decode role: destination blocks (engine thread) -------------------------
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def reserve(
+        self, request_id: str, num_tokens: int, prompt_token_ids: list[int] | None = None
+    ) -> list[int] | None:
         """Reserve destination blocks for `num_tokens` of incoming KV, or None if full.
 
-        Keeps the scheduler's watermark free so running sequences can still grow,
-        and counts reservations against max_num_seqs.
+        With the prompt, the leading blocks this node has cached are shared rather than
+        reserved empty (the record's num_cached_blocks): the transfer skips them. Keeps the
+        scheduler's watermark free so running sequences can still grow, and counts
+        reservations against max_num_seqs.
         """
         need = -(-num_tokens // self.config.block_size)
         busy = len(self.scheduler.running) + self._num_reserved()
         if request_id in self._records or busy >= self.config.max_num_seqs:
             return None
-        if not self.allocator.can_allocate(need + self.scheduler.watermark):
+        hits = self.scheduler.cached_prompt_blocks(prompt_token_ids or [])[:need]
+        revived = sum(1 for b in hits if self.allocator.is_cached_free(b))
+        fresh = need - len(hits)
+        if not self.allocator.can_allocate(fresh + revived + self.scheduler.watermark):
             return None
-        blocks = self.allocator.allocate(need, BlockState.RESERVED)
-        self._records[request_id] = RequestRecord(request_id, None, blocks, Stage.RESERVED)
+        self.allocator.share(hits, BlockState.RESERVED)
+        blocks = hits + self.allocator.allocate(fresh, BlockState.RESERVED)
+        record = RequestRecord(request_id, None, blocks, Stage.RESERVED)
+        record.num_cached_blocks = len(hits)
+        self._records[request_id] = record
         self._publish()
         return blocks
 

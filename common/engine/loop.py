@@ -197,10 +197,15 @@ class AsyncEngine:
         self._thread.wake()
         return await future
 
-    async def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Reserve destination blocks (decode role); None if the engine has no room."""
+    async def reserve(
+        self, request_id: str, num_tokens: int, prompt_token_ids: list[int] | None = None
+    ) -> list[int] | None:
+        """Reserve destination blocks (decode role); None if the engine has no room. With
+        the prompt, cached leading blocks are shared (LLMEngine.reserve)."""
         try:
-            return await self.call(lambda: self.engine.reserve(request_id, num_tokens))
+            return await self.call(
+                lambda: self.engine.reserve(request_id, num_tokens, prompt_token_ids)
+            )
         except asyncio.CancelledError:
             # The reservation may still be made; commands run in order, so this frees it.
             self.engine.call(lambda: self.engine.free_reserved(request_id), _ignore)

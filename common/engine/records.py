@@ -39,6 +39,9 @@ class RequestRecord:
     # The node role's record of the KV's transfer (prefill: lease and send state; decode:
     # receive state). Read and written on the node's event loop only.
     transfer: object | None = None
+    # RESERVED only: how many leading blocks were already cached here (prefix caching):
+    # shared, not written, so the transfer skips them.
+    num_cached_blocks: int = 0
 
     def __post_init__(self) -> None:
         if (self.seq is None) == (self.kv_stage is None):

@@ -180,6 +180,17 @@ class Scheduler:
         self._hash_blocks(seq, usable * self.block_size)
         return self.allocator.lookup(seq.block_hashes[:usable])
 
+    def cached_prompt_blocks(self, token_ids: list[int]) -> list[int]:
+        """The cached blocks holding the longest prefix of a prompt's full blocks, short of
+        the block with its last token (decode role: those need no transfer)."""
+        if not self.prefix_caching:
+            return []
+        usable = (len(token_ids) - 1) // self.block_size
+        hashes = block_hashes(
+            token_ids[: usable * self.block_size], self.block_size, self.cache_salt
+        )
+        return self.allocator.lookup(hashes)
+
     def _hash_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Extend seq.block_hashes over its full blocks within its first num_tokens."""
         if len(seq.block_hashes) < num_tokens // self.block_size:

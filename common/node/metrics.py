@@ -88,9 +88,19 @@ class NodeMetrics:
             registry=registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
         )
+        self.kv_blocks_cached = Counter(
+            "pdserve_kv_blocks_cached_total",
+            "Decode: blocks of incoming KV found in this node's prefix cache, not transferred",
+            registry=registry,
+        )
+        self.kv_blocks_transferred = Counter(
+            "pdserve_kv_blocks_transferred_total",
+            "KV blocks moved (prefill: sent; decode: received)",
+            registry=registry,
+        )
         self.transfer_bytes = Histogram(
             "pdserve_transfer_bytes",
-            "Bytes per KV transfer",
+            "Bytes per KV transfer (blocks actually moved)",
             registry=registry,
             buckets=tuple(2**i for i in range(12, 34, 2)),
         )

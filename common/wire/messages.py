@@ -172,6 +172,9 @@ class TransferRequest(Message):
     dst_block_ids: list[int]
     # The held KV's capability (KVHandle.transfer_key); the prefill node refuses without it.
     transfer_key: str = Field(default="", max_length=128, repr=False)
+    # Leading blocks of the held KV the receiver has already (its prefix cache): the write
+    # covers the held blocks from this one on, into dst_block_ids.
+    skip_blocks: int = Field(default=0, ge=0)
 
 
 @register

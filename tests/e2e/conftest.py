@@ -18,7 +18,10 @@ from tests.support.cluster import Cluster, Topology, start_cluster
 def offline_token_ids(tiny_model_dir: Path) -> Callable[[list[int], SamplingParams], list[int]]:
     """`offline_token_ids(prompt_ids, sampling)`: the offline engine's output token ids for
     one prompt run alone (cached per prompt and sampling), to compare served text with."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=256))
+    # No prefix cache: the reference computes every prompt in full.
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), num_blocks=256, enable_prefix_caching=False)
+    )
     cache: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}
 
     def run(prompt: list[int], sampling: SamplingParams) -> list[int]:

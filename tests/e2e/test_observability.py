@@ -17,7 +17,8 @@ import pytest
 
 from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
-from tests.support.aclient import Request, sample_sum, stream_completion, until
+from common.wire.sampling_params import SamplingParams
+from tests.support.aclient import Request, metric, sample_sum, stream_completion, until
 from tests.support.cluster import Cluster, start_cluster
 from tests.support.http import http_json
 
@@ -242,3 +243,38 @@ def test_metrics_on_every_process_after_traffic_add_up(
     assert delta(decode.url, "pdserve_node_requests_total", outcome="admitted") == n
     free = sample_sum(after[decode.url], "pdserve_kv_blocks", state="free")
     assert free == decode.state()["blocks"]["total"]
+
+
+def test_a_second_turn_moves_only_the_blocks_the_decode_node_lacks(
+    cluster: Cluster, tokenizer: Tokenizer, offline_token_ids: Any
+) -> None:
+    """Issue 14, delta transfer: the decode node keeps turn one's prompt and answer cached,
+    so turn two (which contains both) reserves and transfers only the new blocks, and its
+    output is the offline engine's (which computes everything, caching nothing)."""
+    assert cluster.proxy is not None
+    _, decode = cluster.nodes()
+    turn1 = _prompt(tokenizer, 150, 2000)
+    body = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> tuple[Any, Any, float, float]:
+        async with aiohttp.ClientSession() as s:
+            before = await metric(s, decode.url, "pdserve_kv_blocks_cached_total")
+            first = await stream_completion(s, cluster.proxy.url, {**body, "prompt": turn1})
+            turn2 = turn1 + first.text + " And then what happened?"
+            second = await stream_completion(s, cluster.proxy.url, {**body, "prompt": turn2})
+            after = await metric(s, decode.url, "pdserve_kv_blocks_cached_total")
+            return first, second, before, after
+
+    first, second, before, after = asyncio.run(run())
+    assert first.done and second.done and second.error is None
+    turn2 = turn1 + first.text + " And then what happened?"
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = offline_token_ids(tokenizer.encode(turn2), sp)
+    assert second.text == tokenizer.decode(want)
+    assert after - before >= 150 // 16 - 1  # turn one's full prompt blocks, at least
+    rows = [r["event"] for r in _trace(cluster, second.headers["X-Request-Id"])["rows"]]
+    assert any(e.startswith("decode cache hit") for e in rows), rows
+    moved = next(e for e in rows if e.startswith("kv moved"))
+    n_moved, n_total = (int(x) for x in moved.split()[2:5:2])
+    assert n_moved < n_total, moved
+    cluster.wait_baseline()

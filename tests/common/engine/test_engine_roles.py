@@ -103,3 +103,38 @@ def test_double_abort_in_one_step_is_harmless(tiny_model_dir: Path) -> None:
     assert [(o.request_id, o.finish_reason.value) for o in outs] == [("x", "abort")]
     engine.check_integrity()
     assert engine.state()["blocks"]["free"] == 64
+
+
+def test_a_decode_engine_reserves_only_what_its_cache_lacks(tiny_model_dir: Path) -> None:
+    """Issue 14, delta transfer: the second turn's prompt starts with the first turn's
+    prompt and answer, which the decode engine has cached; its reservation shares those
+    blocks and only the rest is copied in. The output equals the colocated one."""
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    turn1 = list(range(40, 75))
+    answer = _colocated(tiny_model_dir, {"t1": turn1}, sp)["t1"]
+    turn2 = turn1 + answer + [3, 1, 4, 1, 5]
+    want = _colocated(tiny_model_dir, {"t2": turn2}, sp)["t2"]
+
+    prefill, decode = _engine(tiny_model_dir), _engine(tiny_model_dir)
+
+    def disaggregated(rid: str, prompt: list[int]) -> tuple[list[int], int]:
+        prefill.add_request(rid, prompt, sp, hold_kv=True)
+        (first,) = _run(prefill)[rid]
+        dst = decode.reserve(rid, len(prompt), prompt)
+        assert dst is not None and len(dst) == len(first.held_blocks)
+        skip = decode.record(rid).num_cached_blocks
+        decode.kv_cache[dst[skip:]] = prefill.kv_cache[first.held_blocks[skip:]]  # the delta
+        prefill.release_held(rid)
+        decode.admit_prefilled(rid, prompt, first.new_token_ids[0], sp)
+        out = [t for o in _run(decode)[rid] for t in o.new_token_ids]
+        return [first.new_token_ids[0], *out], skip
+
+    got1, skip1 = disaggregated("t1", turn1)
+    got2, skip2 = disaggregated("t2", turn2)
+    assert got1 == answer and skip1 == 0
+    # Turn one's prompt (35 tokens) and answer (10) are 45 tokens: 5 full blocks of 8.
+    assert skip2 == 5 and got2 == want
+    _run(prefill)
+    for engine in (prefill, decode):
+        engine.check_integrity()
+        assert engine.state()["blocks"]["free"] == 64
