@@ -39,6 +39,7 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (0 if not reported)
     usage_reported: bool = False
     error: str | None = None  # a short kind, for grouping ("HTTP 503", "timeout", ...)
     detail: str | None = None
@@ -179,6 +180,9 @@ def _fill(result: RequestResult, timer: StreamTimer) -> None:
     result.output_tokens = completion if isinstance(completion, int) else timer.text_chunks
     prompt = usage.get("prompt_tokens")
     result.prompt_tokens = prompt if isinstance(prompt, int) else None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    result.cached_tokens = cached if isinstance(cached, int) else 0
     if result.error is None:
         if timer.done_s is not None:
             result.e2el_s = timer.done_s

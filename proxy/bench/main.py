@@ -180,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--input-len", type=int, default=256, help="random prompt tokens: %(default)s")
     g.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        help="tokens shared by every random prompt, before its own --input-len: %(default)s",
+    )
+    g.add_argument(
         "--output-len", type=int, default=64, help="output tokens (max_tokens): %(default)s"
     )
     g.add_argument(
@@ -228,7 +234,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.dataset is not None:
         workload = JsonlWorkload.load(args.dataset, args.output_len)
     else:
-        workload = RandomWorkload(args.input_len, args.output_len, args.range_ratio)
+        workload = RandomWorkload(
+            args.input_len, args.output_len, args.range_ratio, args.prefix_len
+        )
     return BenchConfig(
         base_url=args.base_url.rstrip("/").removesuffix("/v1"),
         endpoint=args.endpoint,

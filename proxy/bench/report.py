@@ -35,6 +35,7 @@ def summary_table(summary: dict[str, Any], rate: float) -> str:
         ("Peak concurrent requests", str(summary["max_concurrent"])),
         ("Benchmark duration (s)", _num(summary["duration_s"])),
         ("Total input tokens", str(summary["total_input_tokens"])),
+        ("Prefix cache hit rate", _num(summary["cache_hit_rate"])),
         ("Total output tokens", str(summary["total_output_tokens"])),
         ("Request throughput (req/s)", _num(summary["request_throughput"])),
         ("Output token throughput (tok/s)", _num(summary["output_token_throughput"])),

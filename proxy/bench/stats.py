@@ -88,6 +88,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo: Slo) -> dict
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    cached_tokens = sum(r.cached_tokens for r in ok)
     good = sum(slo.met(r) for r in ok) if slo.given else None
     summary: dict[str, Any] = {
         "sent": len(results),
@@ -98,6 +99,8 @@ def summarize(results: list[RequestResult], duration_s: float, slo: Slo) -> dict
         "output_token_throughput": _rate(out_tokens, duration_s),
         "total_token_throughput": _rate(in_tokens + out_tokens, duration_s),
         "total_input_tokens": in_tokens,
+        "total_cached_tokens": cached_tokens,
+        "cache_hit_rate": cached_tokens / in_tokens if in_tokens else None,
         "total_output_tokens": out_tokens,
         "goodput": None if good is None else _rate(good, duration_s),
         "slo": slo.as_dict(),

@@ -4,11 +4,12 @@ Two sources, both deterministic for a given seed:
 
 - random (like vLLM's random dataset): prompt and output lengths drawn uniformly from
   ``[len * (1 - range_ratio), len * (1 + range_ratio)]``; the prompt is random common English
-  words. Without a tokenizer a word stands for a token (common words are one token in large
-  BPE vocabularies; a small vocabulary makes prompts longer in tokens: the usage chunk's
-  ``prompt_tokens`` is what gets reported). With ``--tokenizer DIR`` the words are encoded,
-  cut to the drawn length and decoded, so the prompt is that many tokens up to re-encoding
-  drift at the cut.
+  words, after a shared prefix of ``prefix_len`` words (the same for every request of a
+  seed, as vLLM's ``--random-prefix-len``: the prefix-cache workload). Without a tokenizer
+  a word stands for a token (common words are one token in large BPE vocabularies; a small
+  vocabulary makes prompts longer in tokens: the usage chunk's ``prompt_tokens`` is what
+  gets reported). With ``--tokenizer DIR`` the words are encoded, cut to the drawn length
+  and decoded, so the prompt is that many tokens up to re-encoding drift at the cut.
 - a JSONL file: one object per line, ``{"prompt": str, "max_tokens"?: int}`` or
   ``{"messages": [...], "max_tokens"?: int}``; lines are shuffled with the seed and reused
   in turn when more requests are sent than the file holds.
@@ -66,12 +67,15 @@ class RandomWorkload:
     input_len: int
     output_len: int
     range_ratio: float = 0.0
+    prefix_len: int = 0  # shared by every request, before its own input_len tokens
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:
             raise ValueError("--input-len and --output-len must be >= 1")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+        if self.prefix_len < 0:
+            raise ValueError(f"--prefix-len must be >= 0, got {self.prefix_len}")
 
     def lengths(self, rng: random.Random) -> tuple[int, int]:
         return _draw(rng, self.input_len, self.range_ratio), _draw(
@@ -81,9 +85,12 @@ class RandomWorkload:
     def items(self, seed: int, tokenizer: TokenCounter | None = None) -> Iterator[WorkItem]:
         """An endless stream of requests (the load loop bounds it)."""
         rng = random.Random(seed)
+        prefix = ""
+        if self.prefix_len:
+            prefix = _prompt(random.Random(f"prefix-{seed}"), self.prefix_len, tokenizer) + " "
         while True:
             n_in, n_out = self.lengths(rng)
-            yield WorkItem(max_tokens=n_out, prompt=_prompt(rng, n_in, tokenizer))
+            yield WorkItem(max_tokens=n_out, prompt=prefix + _prompt(rng, n_in, tokenizer))
 
 
 def _draw(rng: random.Random, length: int, ratio: float) -> int:

@@ -396,3 +396,15 @@ def test_every_kind_of_failure_is_counted_once(tmp_path: Path) -> None:
     assert 0 < doc["ttft_ms"]["max"] <= doc["e2el_ms"]["max"] and doc["itl_ms"]["min"] >= 0
     assert all(b["model"] == "fake-model" and b["ignore_eos"] is True for b in bodies)
     assert all(b["stream_options"] == {"include_usage": True} for b in bodies)
+
+
+def test_random_prompts_can_share_a_prefix() -> None:
+    items = list(itertools.islice(RandomWorkload(8, 3, prefix_len=30).items(seed=1), 20))
+    words = [i.prompt.split() for i in items]
+    assert all(len(w) == 38 for w in words)
+    assert len({tuple(w[:30]) for w in words}) == 1  # one prefix for the whole run
+    assert len({tuple(w[30:]) for w in words}) == 20
+    other = next(RandomWorkload(8, 3, prefix_len=30).items(seed=2))
+    assert other.prompt.split()[:30] != words[0][:30]  # another seed, another prefix
+    with pytest.raises(ValueError):
+        RandomWorkload(8, 3, prefix_len=-1)
