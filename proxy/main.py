@@ -13,6 +13,7 @@ model). SIGINT/SIGTERM stop admission, let in-flight requests finish for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -32,8 +33,10 @@ from proxy.pool.admin import AdminRoutes
 from proxy.pool.client import NodeClient
 from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
 from proxy.pool.interstage import InterStageConfig, InterStageQueue
+from proxy.pool.kv_index import KVIndex
 from proxy.pool.node_state import Role
 from proxy.pool.registry import NodeRegistry, RegistryConfig
+from proxy.pool.router import Policy, Router, RoutingMetrics
 from proxy.settings import ProxySettings
 from proxy.trace import MultiHooks, TraceHooks, TraceStore
 
@@ -67,6 +70,10 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
     client = NodeClient(settings.timeouts, on_cancel, settings.cluster_token)
     roles = {Role.BOTH} if settings.colocated_mode else {Role.PREFILL, Role.DECODE}
     registry = NodeRegistry(client, RegistryConfig(settings.poll_interval_s, frozenset(roles)))
+    registry.index = KVIndex(client, settings.cluster_token)
+    registry.router = Router(
+        registry.candidates, Policy(settings.routing), registry.index, RoutingMetrics(metrics)
+    )
     for role, urls in settings.node_urls().items():
         for url in urls:
             registry.add(url, role)
@@ -89,7 +96,7 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
     app.router.add_get("/metrics", metrics_handler(metrics))
     traces.add_route(app)
     AdminRoutes(registry).add_to(app)
-    app.cleanup_ctx.append(_lifecycle(registry, client, queue))
+    app.cleanup_ctx.append(_lifecycle(registry, client, queue, registry.index))
     return ProxyParts(app, registry, client, queue, metrics, settings.model_name())
 
 
@@ -121,10 +128,11 @@ def _health_check(registry: NodeRegistry, roles: set[Role]) -> HealthCheck:
 
 
 def _lifecycle(
-    registry: NodeRegistry, client: NodeClient, queue: InterStageQueue | None
+    registry: NodeRegistry, client: NodeClient, queue: InterStageQueue | None, index: KVIndex
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await client.start()
+        events = asyncio.get_running_loop().create_task(index.run())  # before the first poll
         await registry.start()
         if queue is not None:
             await queue.start()
@@ -134,6 +142,10 @@ def _lifecycle(
             if queue is not None:
                 await queue.stop()
             await registry.stop()
+            events.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await events
+            index.close()
             await client.close()
 
     return ctx

@@ -9,6 +9,7 @@ from typing import Literal
 from common.wire.auth import CLUSTER_TOKEN_ENV, is_loopback
 from proxy.pool.client import NodeTimeouts
 from proxy.pool.node_state import Role
+from proxy.pool.router import POLICIES
 
 Mode = Literal["disagg", "colocated"]
 
@@ -28,6 +29,7 @@ class ProxySettings:
     max_active_requests: int = 512  # edge: requests inside the backend at once
     edge_queue_capacity: int = 1024  # edge: requests waiting for a slot; beyond: 503
     migrate_limit: int = 1  # times a stream may move to another decode node after a failure
+    routing: str = "cost"  # prefill placement policy (proxy/pool/router.py)
     trace_capacity: int = 2048  # recent requests whose traces GET /debug/requests/{id}/trace has
     interstage_capacity: int = 256
     interstage_max_wait_s: float = 300.0
@@ -56,6 +58,8 @@ class ProxySettings:
             raise ValueError("--colocated nodes need --mode colocated")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.routing not in POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
 

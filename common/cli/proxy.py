@@ -42,6 +42,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         max_active_requests=args.max_active_requests,
         edge_queue_capacity=args.edge_queue_capacity,
         migrate_limit=args.migrate_limit,
+        routing=args.routing,
         trace_capacity=args.trace_capacity,
         interstage_capacity=args.interstage_capacity,
         interstage_max_wait_s=args.interstage_max_wait_s,

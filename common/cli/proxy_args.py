@@ -6,6 +6,7 @@ import argparse
 
 from common.cli.lazy import lazy
 from proxy.pool.client import NodeTimeouts
+from proxy.pool.router import POLICIES
 
 
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="times a stream may be re-prefilled onto another decode node after a node failure",
     )
+    add_routing_arg(q)
     q.add_argument("--interstage-capacity", type=int, default=256)
     p.add_argument("--trace-capacity", type=int, default=2048, help="recent request traces kept")
     q.add_argument("--interstage-max-wait-s", type=float, default=300.0)
@@ -88,3 +90,14 @@ def add_proxy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of node pools")
     add_proxy_args(p)
     p.set_defaults(func=lazy("common.cli.proxy", "cmd_proxy"))
+
+
+def add_routing_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument(
+        "--routing",
+        choices=list(POLICIES),
+        default="cost",
+        help="where to prefill: cost (the node with the lowest estimated time to first token, "
+        "weighing its cached prefix against its queue), cache-affinity, least-load or "
+        "round-robin: %(default)s",
+    )

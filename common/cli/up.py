@@ -73,6 +73,7 @@ class UpConfig:
     log_dir: str | None = None  # default: a new temporary directory
     lease_s: float = 30.0
     interstage_capacity: int = 256
+    routing: str = "cost"
     demo_prompt: str | None = None  # stream one chat completion through the proxy at start
     max_restarts: int = 5  # per node; a node that exits is restarted after a backoff
     # The secret shared by the proxy and the nodes; None: a new one for this run, written to
@@ -326,6 +327,7 @@ async def start_service(
         mode="colocated" if cfg.colocated else "disagg",
         lease_s=cfg.lease_s,
         interstage_capacity=cfg.interstage_capacity,
+        routing=cfg.routing,
         cluster_token=cluster_token,
         api_key=cfg.api_key,
     )
@@ -475,5 +477,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         demo_prompt=args.demo,
         lease_s=args.lease_s,
         interstage_capacity=args.interstage_capacity,
+        routing=args.routing,
     )
     return asyncio.run(up(cfg))

@@ -15,21 +15,21 @@ Prefix cache: a full block whose KV is computed may be registered under its chai
 last reference goes they stay on the free list, still registered, as *cached* blocks:
 free (they count as free), and reused by a later `lookup` until `allocate` needs them.
 `allocate` takes blocks that cache nothing first, then the least recently freed cached
-ones (LRU eviction). A block with a RESERVED reference cannot be registered (its bytes may
-still be coming); a registered block may be shared into a reservation (a decode node's
-cached prefix, which the transfer then skips).
+ones (LRU eviction). With `record_events()`, every registration and eviction is numbered
+and queued in `events` (KV events: a router's view of this cache). A block with a RESERVED
+reference cannot be registered (its bytes may still be coming); a registered block may be
+shared into a reservation (a decode node's cached prefix, which the transfer then skips).
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 from enum import Enum
 
-import numpy as np
-
 from common.wire.fsm import Transitions
+from common.wire.prefix import block_hash as block_hash
+from common.wire.prefix import block_hashes as block_hashes
 
 
 class BlockState(str, Enum):
@@ -57,29 +57,6 @@ class AllocatorError(RuntimeError):
     """An illegal allocator operation: a bug in the caller, never user input."""
 
 
-def block_hash(parent: int | None, token_ids: Sequence[int], salt: bytes = b"") -> int:
-    """The chained hash of one full block: it names the KV of these tokens after exactly
-    the tokens its parent hash names, under `salt` (whatever else changes the KV: model,
-    dtype, block size). 128 bits of SHA-256, the same in every process."""
-    h = hashlib.sha256(salt)
-    h.update(b"\0" * 16 if parent is None else parent.to_bytes(16, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest()[:16], "little")
-
-
-def block_hashes(
-    token_ids: Sequence[int], block_size: int, salt: bytes = b"", start: list[int] | None = None
-) -> list[int]:
-    """Chained hashes of every full block of `token_ids` (extending `start`, the hashes of
-    the first blocks if already known)."""
-    out = list(start or [])
-    parent = out[-1] if out else None
-    for i in range(len(out), len(token_ids) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
-        out.append(parent)
-    return out
-
-
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -94,6 +71,10 @@ class BlockAllocator:
         self._counts = {s: 0 for s in BlockState}
         self._counts[BlockState.FREE] = num_blocks
         self.evictions = 0
+        # KV events: (number, "stored" | "removed", hash), numbered from 1; None: not kept.
+        # Bounded: a consumer that falls behind sees a gap in the numbers and resyncs.
+        self.events: deque[tuple[int, str, int]] | None = None
+        self.event_no = 0
 
     @property
     def num_free(self) -> int:
@@ -199,7 +180,23 @@ class BlockAllocator:
             return False
         self._hash[block_id] = h
         self._by_hash[h] = block_id
+        self._event("stored", h)
         return True
+
+    def record_events(self, limit: int = 1_000_000) -> deque[tuple[int, str, int]]:
+        """Start queueing KV events in `events` (the oldest dropped beyond `limit`)."""
+        self.events = deque(maxlen=limit)
+        return self.events
+
+    def cached_hashes(self) -> tuple[int, list[int]]:
+        """(the number of the last event, every registered hash): a snapshot consistent
+        with the event stream (engine thread)."""
+        return self.event_no, list(self._by_hash)
+
+    def _event(self, kind: str, h: int) -> None:
+        self.event_no += 1
+        if self.events is not None:
+            self.events.append((self.event_no, kind, h))
 
     def lookup(self, hashes: Iterable[int]) -> list[int]:
         """The blocks holding the longest cached prefix of `hashes` (allocated or free)."""
@@ -309,6 +306,7 @@ class BlockAllocator:
             del self._by_hash[h]
             self._hash[b] = None
             self.evictions += 1
+            self._event("removed", h)
 
     def _only_state(self, b: int) -> BlockState:
         states = [s for s, n in self._holders[b].items() if n]

@@ -101,6 +101,7 @@ class LLMEngine:
         self._arrivals = 0
         self._snapshot: dict[str, object] = {}
         self.integrity_violations = 0  # found by check_integrity_when_idle
+        self.prefill_tokens_per_s: float | None = None  # measured (see _measure)
         self._publish()
 
     # -- commands (any thread) -------------------------------------------------
@@ -311,7 +312,9 @@ class LLMEngine:
         outputs = self.apply_commands()
         batch = self.scheduler.schedule()
         if len(batch):
+            started = time.perf_counter()
             sampled = self.runner.run(batch)
+            self._measure(batch.num_tokens - batch.num_decode, time.perf_counter() - started)
             outputs += self.scheduler.postprocess(batch, sampled)
         for out in outputs:
             if out.kind is OutputKind.HELD:
@@ -390,6 +393,15 @@ class LLMEngine:
         self._records.pop(request_id, None)
         self._known_ids.discard(request_id)
 
+    def _measure(self, prefill_tokens: int, seconds: float) -> None:
+        """Track prefill speed (tokens a second, over steps that were mostly prefill): what
+        a router divides queued prompt tokens by to estimate a wait."""
+        if prefill_tokens < 16 or seconds <= 0:
+            return
+        rate = prefill_tokens / seconds
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+
     # -- introspection ---------------------------------------------------------
 
     def state(self) -> dict[str, object]:
@@ -412,7 +424,11 @@ class LLMEngine:
                 "queried_tokens": self.scheduler.prefix_queries,
                 "hit_tokens": self.scheduler.prefix_hits,
             },
-            "queued_prefill_tokens": sum(s.num_uncomputed for s in self.scheduler.waiting),
+            # Prompt tokens still to compute: waiting requests', and the rest of those
+            # mid-prefill (chunked). What a router divides by the prefill rate.
+            "queued_prefill_tokens": sum(s.num_uncomputed for s in self.scheduler.waiting)
+            + sum(s.num_uncomputed for s in self.scheduler.running if s.num_uncomputed > 1),
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "preemptions": self.scheduler.num_preemptions,
             "integrity_violations": self.integrity_violations,
         }

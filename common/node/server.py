@@ -26,12 +26,14 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine, RequestError
 from common.engine.loop import AsyncEngine
 from common.engine.scheduler import StepOutput
+from common.node.kv_events import KVEventPublisher
 from common.node.metrics import NodeMetrics
 from common.wire.auth import CLUSTER_TOKEN_ENV, auth_middleware, is_loopback
 from common.wire.errors import SERVER_ERROR, ApiError, error_response, invalid_request
 from common.wire.fingerprint import Fingerprint
 from common.wire.messages import Cancel, Message, MessageError
 from common.wire.node_messages import CancelResult, NodeEvent, T, TokenDelta, from_json, to_json
+from common.wire.prefix import event_key
 from common.wire.stage import Stage
 from kv_transfer.config import TransferConfig
 
@@ -123,12 +125,18 @@ class NodeServer:
         # agent's): /health answers 503 from then on and `serve` exits non-zero (fail fast).
         self.failed = asyncio.Event()
         self.failure: str | None = None
+        self.kv_events: KVEventPublisher | None = None  # set by start()
 
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> str:
         """Start the role's background tasks, then serve HTTP; the URL served."""
         self.spawn(self._watch_engine(), "engine-watch")
+        events = self.engine.allocator.record_events()
+        self.kv_events = KVEventPublisher(
+            self.engine_id, events, self.config.host, self.config.cluster_token
+        )
+        self.spawn(self.kv_events.run(), "kv-events")
         self.start_role()
         if self.config.cluster_token is None and not is_loopback(self.config.host):
             log.warning(
@@ -185,6 +193,9 @@ class NodeServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.stop_role()  # no task uses the role's resources any more
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         await self.front.stop()
 
     async def stop_role(self) -> None:
@@ -206,7 +217,15 @@ class NodeServer:
             web.get("/state", self.handle_state),
             web.get("/metrics", self.handle_metrics),
             web.post("/internal/cancel", self.handle_cancel),
+            web.get("/internal/kv_cache", self.handle_kv_cache),
         ]
+
+    async def handle_kv_cache(self, request: web.Request) -> web.Response:
+        """The KV-event snapshot: the last event's number and every cached block's key."""
+        last, hashes = await self.front.call(self.engine.allocator.cached_hashes)
+        secret = self.config.cluster_token
+        keys = [event_key(h, secret).hex() for h in hashes]
+        return web.json_response({"node": self.engine_id, "last": last, "keys": keys})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         ok = not self.draining and self.front.error is None and not self.failed.is_set()
@@ -280,6 +299,13 @@ class NodeServer:
                 "block_bytes": self.engine.block_bytes,
             },
             "queued_prefill_tokens": st["queued_prefill_tokens"],
+            "prefill_tokens_per_s": st["prefill_tokens_per_s"],
+            "prefix_cache": {
+                **st["prefix_cache"],  # type: ignore[dict-item]
+                "block_size": cfg.block_size,
+                "salt": self.engine.scheduler.cache_salt.decode(),
+                "kv_events": self.kv_events.endpoint if self.kv_events is not None else None,
+            },
             "preemptions": st["preemptions"],
             "integrity_violations": st["integrity_violations"],
         }

@@ -11,11 +11,14 @@ mismatch), 502 node unreachable, 404 unknown node.
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from proxy.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, invalid_request
 from proxy.http.server import error_response, new_request_id
+from proxy.pool.node_state import Node
 from proxy.pool.registry import NodeRegistry, RegistrationError
 
 MAX_ADMIN_BODY = 64 * 1024
@@ -38,8 +41,19 @@ class AdminRoutes:
         app.router.add_delete("/admin/nodes", self.remove)
 
     async def list_nodes(self, request: web.Request) -> web.Response:
-        nodes = [n.describe() for n in self.registry.nodes()]
+        nodes = [self._describe(n) for n in self.registry.nodes()]
         return web.json_response({"fingerprint": self.registry.fingerprint, "nodes": nodes})
+
+    def _describe(self, node: Node) -> dict[str, Any]:
+        """The node's row, with what the proxy knows of its prefix cache (KV events)."""
+        row = node.describe()
+        index = self.registry.index
+        cache = index.caches.get(node.url) if index is not None else None
+        row["prefix_cache"] = None
+        if cache is not None:
+            synced = cache.next is not None
+            row["prefix_cache"] = {"synced": synced, "blocks": len(cache.keys)}
+        return row
 
     async def register(self, request: web.Request) -> web.Response:
         try:

@@ -217,6 +217,21 @@ class NodeClient:
             raise NodeUnreachable(url, "GET /state did not answer a JSON object")
         return data
 
+    async def kv_cache(self, url: str) -> dict[str, Any]:
+        """The node's KV-event snapshot (GET /internal/kv_cache)."""
+        try:
+            async with self.session.get(
+                url + "/internal/kv_cache", timeout=self._control()
+            ) as resp:
+                if resp.status != 200:
+                    raise NodeUnreachable(url, f"GET /internal/kv_cache answered {resp.status}")
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise NodeUnreachable(url, _describe(e)) from None
+        if not isinstance(data, dict):
+            raise NodeUnreachable(url, "GET /internal/kv_cache did not answer a JSON object")
+        return data
+
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillResult:
         return await self._call(
             url, PREFILL_PATH, req, PrefillResult, self._total(self.timeouts.prefill_s)

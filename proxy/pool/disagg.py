@@ -148,7 +148,11 @@ class DisaggBackend:
         )
         tried: set[str] = set()
         while True:
-            node = self.registry.pick_prefill(exclude=frozenset(tried))
+            decision = self.registry.router.pick(
+                Role.PREFILL, req.prompt_token_ids, frozenset(tried)
+            )
+            node = decision.node
+            self.traces.record(msg.request_id, "routed", detail=decision.detail())
             try:
                 return node.url, await self._prefill_on(node, msg)
             except NodeUnreachable as e:  # it did not take the request: try another node
@@ -162,7 +166,6 @@ class DisaggBackend:
         _unreachable(self.registry, self.client, node, e, request_id)
 
     async def _prefill_on(self, node: Node, msg: PrefillRequest) -> PrefillResult:
-        self.traces.record(msg.request_id, "routed", detail=f"prefill {node.url}")
         with self.registry.track(node, len(msg.prompt_token_ids)):
             try:
                 result = await self.client.prefill(node.url, msg)
@@ -225,9 +228,10 @@ class ColocatedBackend:
         )
         tried: set[str] = set()
         while True:
-            node = self.registry.pick_colocated(exclude=frozenset(tried))
+            decision = self.registry.router.pick(Role.BOTH, req.prompt_token_ids, frozenset(tried))
+            node = decision.node
             node.sent(len(req.prompt_token_ids))
-            self.traces.record(req.request_id, "routed", detail=node.url)
+            self.traces.record(req.request_id, "routed", detail=decision.detail())
             try:
                 return await self.client.open_stream(node.url, GENERATE_PATH, msg, req.request_id)
             except NodeUnreachable as e:

@@ -241,7 +241,7 @@ class InterStageQueue:
     async def _offer(self, entry: QueueEntry) -> None:
         """Offer `entry` to each decode node in turn until one accepts it (DISPATCHED), it
         fails or is cancelled; it stays OFFERING when every node is full."""
-        for node in self.registry.decode_candidates():
+        for node in self.registry.decode_candidates(entry.request.prompt_token_ids):
             if entry.state is not EntryState.OFFERING:
                 return
             try:

@@ -49,6 +49,17 @@ class Capacity(BaseModel):
     block_size: int = 16
 
 
+class PrefixCacheInfo(BaseModel):
+    """What a router needs to look a prompt up in a node's prefix cache."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    enabled: bool = True
+    block_size: int = 16
+    salt: str = ""
+    kv_events: str | None = None  # the node's KV-event PUB endpoint
+
+
 class NodeState(BaseModel):
     """The fields of a node's `GET /state` that routing reads (the rest is kept raw)."""
 
@@ -61,6 +72,8 @@ class NodeState(BaseModel):
     requests: dict[str, int] = {}
     capacity: Capacity | None = None
     queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float | None = None  # measured by the node
+    prefix_cache: PrefixCacheInfo | None = None
 
     @field_validator("model_fingerprint", mode="before")
     @classmethod

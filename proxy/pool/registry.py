@@ -7,8 +7,9 @@ URL rejoins by itself. All nodes of one proxy must serve the same model: the fir
 (at `register`, with an error; when found by the poller, it is kept out of rotation).
 
 Routing reads the last `/state` plus what this proxy sent since that poll began (which the
-state cannot show yet): prefill goes to the node with the least queued prefill tokens; decode
-candidates are offered most-free-capacity first; colocated work goes to the least busy node.
+state cannot show yet), and each node's prefix cache as its KV events tell it (`index`): the
+`router` (router.py) picks where to prefill; decode candidates are offered roomiest first,
+counting the blocks of the prompt a node has cached as room (they need no transfer).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 from proxy.http.backend import BackendError
 from proxy.pool.client import NodeClient, NodeUnreachable
+from proxy.pool.kv_index import KVIndex
 from proxy.pool.node_state import Node, NodeState, NodeStatus, Role, normalize_url
+from proxy.pool.router import Policy, Router
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class NodeRegistry:
         self._listeners: list[NodeListener] = []
         self._poller: asyncio.Task[None] | None = None
         self._picks = 0
+        self.index: KVIndex | None = None  # the nodes' prefix caches (set by the proxy)
+        self.router = Router(self.candidates, Policy.COST)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -92,7 +97,10 @@ class NodeRegistry:
         return node
 
     def remove(self, url: str) -> Node | None:
-        return self._nodes.pop(_normalize(url), None)
+        url = _normalize(url)
+        if self.index is not None:
+            self.index.forget(url)
+        return self._nodes.pop(url, None)
 
     def get(self, url: str) -> Node | None:
         return self._nodes.get(url)
@@ -111,17 +119,27 @@ class NodeRegistry:
 
     def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Node:
         """The healthy prefill node with the least queued prefill work."""
-        nodes = self._candidates(Role.PREFILL, exclude)
+        nodes = self.candidates(Role.PREFILL, exclude)
         return min(nodes, key=lambda n: (n.prefill_load(), n.inflight))
 
-    def decode_candidates(self) -> list[Node]:
-        """Healthy decode nodes, most free capacity first (the first offer goes there)."""
+    def decode_candidates(self, prompt_token_ids: list[int] | None = None) -> list[Node]:
+        """Healthy decode nodes, roomiest first (the first offer goes there): a free slot,
+        then free blocks plus the blocks of the prompt the node has cached."""
         nodes = self._rotated([n for n in self.healthy(Role.DECODE)])
-        return sorted(nodes, key=lambda n: n.decode_room(), reverse=True)
+
+        def room(n: Node) -> tuple[bool, int]:
+            slot, free = n.decode_room()
+            if self.index is not None and prompt_token_ids:
+                cache = self.index.caches.get(n.url)
+                if cache is not None:
+                    free += self.index.matched_tokens(n, prompt_token_ids) // cache.block_size
+            return slot, free
+
+        return sorted(nodes, key=room, reverse=True)
 
     def pick_colocated(self, exclude: frozenset[str] = frozenset()) -> Node:
         """The healthy colocated (`both`) node with the fewest requests."""
-        nodes = self._candidates(Role.BOTH, exclude)
+        nodes = self.candidates(Role.BOTH, exclude)
         return min(nodes, key=lambda n: (n.busy(), -n.decode_room()[1]))
 
     @contextlib.contextmanager
@@ -140,7 +158,9 @@ class NodeRegistry:
         if node is not None and node.status is NodeStatus.UP:
             self._set(node, NodeStatus.DOWN, reason)
 
-    def _candidates(self, role: Role, exclude: frozenset[str]) -> list[Node]:
+    def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Node]:
+        """Healthy nodes of `role` not in `exclude`, rotated (ties break round robin);
+        BackendError (503) if there are none."""
         nodes = [n for n in self.healthy(role) if n.url not in exclude]
         if not nodes:
             raise BackendError.unavailable(f"no healthy {role.value} node", retry_after=1.0)
@@ -220,6 +240,8 @@ class NodeRegistry:
             self.fingerprint, self._fingerprint_source = state.model_fingerprint, node.url
             log.info("pool model fingerprint %s (from %s)", self.fingerprint, node.url)
         node.observe(state, time.monotonic())
+        if self.index is not None:
+            self.index.observe(node)
         if healthy:
             self._set(node, NodeStatus.UP, None)
         else:
