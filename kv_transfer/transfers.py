@@ -263,7 +263,8 @@ class TransferBook:
             elif now - lost_at > grace_s:
                 log.warning("%s: backend did not settle after peer loss", rid)
                 self._inflight[xfer.peer_id] -= 1
-                self._end_out(xfer, False, FailureReason.PEER_LOST, "peer lost (unsettled)")
+                detail = "peer lost (unsettled)"
+                self._end_out(xfer, False, FailureReason.PEER_LOST, detail, settled=False)
 
     def close(self) -> None:
         for peer_id in {x.peer_id for x in self.out.values()} | {
@@ -312,7 +313,11 @@ class TransferBook:
         landed: bool,
         reason: FailureReason = FailureReason.BACKEND_ERROR,
         detail: str = "",
+        settled: bool = True,
     ) -> None:
+        """End a write; `settled`: the backend can touch it no more (False only for a
+        straggler given up on, whose bytes might still land: then the receiver is never
+        told "aborted", and keeps its blocks quarantined until its own deadline)."""
         rid, peer = xfer.request_id, xfer.peer_id
         aborted = xfer.abort_origin is not AbortOrigin.NONE
         if landed:
@@ -321,8 +326,10 @@ class TransferBook:
             xfer.transition(OutState.ABORTED)
         else:
             xfer.transition(OutState.FAILED)
-        orphan = self._orphans.pop(rid, None) is not None
-        if not landed and peer not in self._lost and not orphan:
+        self._orphans.pop(rid, None)
+        # A peer lost and not back cannot be told; one back again (it may be waiting on a
+        # quarantine of these blocks) is, once the write is settled.
+        if not landed and peer not in self._lost and settled:
             self.send(peer, KVAborted(request_id=rid, reason=detail or "aborted"))
         del self.out[rid]
         self.registry.finish(rid)

@@ -174,10 +174,10 @@ class BlockAllocator:
         """Name an allocated, computed, full block by its chained hash. False (and nothing
         changes) if the block is already named, or another block holds that content."""
         self._require_allocated(block_id)
+        if self._hash[block_id] is not None or h in self._by_hash:
+            return False  # (a named block may be shared into reservations: that is fine)
         if self._holders[block_id][BlockState.RESERVED]:
             raise AllocatorError(f"block {block_id}: a RESERVED block cannot be registered")
-        if self._hash[block_id] is not None or h in self._by_hash:
-            return False
         self._hash[block_id] = h
         self._by_hash[h] = block_id
         self._event("stored", h)

@@ -138,3 +138,41 @@ def test_a_decode_engine_reserves_only_what_its_cache_lacks(tiny_model_dir: Path
     for engine in (prefill, decode):
         engine.check_integrity()
         assert engine.state()["blocks"]["free"] == 64
+
+
+def test_concurrent_reservations_share_a_cached_prefix(tiny_model_dir: Path) -> None:
+    """Two requests with the same long prefix reserved at once on a decode engine that has
+    the prefix cached: both share its blocks; admitting one (its blocks now USED, the other
+    reservation's still RESERVED on the shared ones) must not trip registration, and both
+    decode as colocated."""
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    system = list(range(200, 240))
+    prompts = {"x": system + [1, 2, 3], "y": system + [4, 5, 6, 7]}
+    want = {rid: _colocated(tiny_model_dir, {rid: p}, sp)[rid] for rid, p in prompts.items()}
+    prefill, decode = _engine(tiny_model_dir), _engine(tiny_model_dir)
+    # The decode engine caches the prefix (a request that ran there).
+    decode.add_request("warm", system + [9], sp)
+    _run(decode)
+    firsts = {}
+    for rid, prompt in prompts.items():
+        prefill.add_request(rid, prompt, sp, hold_kv=True)
+        (firsts[rid],) = _run(prefill)[rid]
+    dsts = {rid: decode.reserve(rid, len(p), p) for rid, p in prompts.items()}
+    skips = {rid: decode.record(rid).num_cached_blocks for rid in prompts}
+    assert skips == {"x": 5, "y": 5}  # 40 system tokens: 5 blocks of 8, shared by both
+    decode.check_integrity()
+    got = {rid: [firsts[rid].new_token_ids[0]] for rid in prompts}
+    for rid, prompt in prompts.items():
+        dst, first, skip = dsts[rid], firsts[rid], skips[rid]
+        decode.kv_cache[dst[skip:]] = prefill.kv_cache[first.held_blocks[skip:]]
+        prefill.release_held(rid)
+        decode.admit_prefilled(rid, prompt, first.new_token_ids[0], sp)
+        for out in decode.step():  # admitted (and registered) while the other is RESERVED
+            got[out.request_id] += out.new_token_ids
+        decode.check_integrity()
+    for rid, outs in _run(decode).items():
+        got[rid] += [t for o in outs for t in o.new_token_ids]
+    _run(prefill)
+    assert got == want
+    for engine in (prefill, decode):
+        assert engine.state()["blocks"]["free"] == 64

@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Routing policies and prefix caching compared on one seeded workload (issue 14).
+
+    python scripts/compare_routing.py [--quick] [--out DIR] [--model M]
+        [--deployments cost,cache-affinity,least-load,round-robin,no-cache]
+
+Each deployment is `pdserve up --prefill P --decode D` (default 2P2D) with `--routing X`
+(`no-cache`: `--routing cost --no-prefix-caching`), started on a free loopback port, warmed
+up, given the same bench-serve run (random prompts after a shared prefix of --prefix-len
+tokens, as a system prompt; the seed fixes prompts and arrivals), then stopped by pid (an
+`atexit` hook stops whatever is still running). The report (DIR/report.md, DIR/report.json)
+has, per deployment: TTFT p50/p99, TPOT p50, the prefix cache hit rate (usage.cached_tokens
+over prompt tokens), KV bytes moved per request (the prefill nodes' transfer-bytes
+histograms, from /metrics), and the routing decisions where cache and queue disagreed; and a
+bar chart of TTFT p50/p99 (DIR/ttft.png). Per deployment DIR/NAME/ holds bench.json, up.log
+and the node logs.
+
+Defaults are sized for SmolLM2-135M on a 2-core machine (a few minutes per deployment);
+--quick is a smoke run whose numbers mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.cli.models import model_dir  # noqa: E402
+from common.cli.up import free_port  # noqa: E402
+from proxy.bench.main import main as bench_serve  # noqa: E402
+
+DEPLOYMENTS = {
+    "cost": ["--routing", "cost"],
+    "cache-affinity": ["--routing", "cache-affinity"],
+    "least-load": ["--routing", "least-load"],
+    "round-robin": ["--routing", "round-robin"],
+    "no-cache": ["--routing", "cost", "--no-prefix-caching"],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("out/compare-routing"))
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--deployments", default=",".join(DEPLOYMENTS))
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--prefix-len", type=int, default=768, help="shared prompt tokens")
+    p.add_argument("--input-len", type=int, default=96, help="each prompt's own tokens")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--rate", default="0.5", help="requests per second (bench-serve --rate)")
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="8 requests: a smoke run")
+    p.add_argument("--startup-timeout-s", type=float, default=300.0)
+    p.add_argument("--up-args", default="", help="more `pdserve up` flags for every deployment")
+    return p
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+class Deployment:
+    """One `pdserve up`, started in its own process group and stopped by pid."""
+
+    def __init__(self, name: str, args: argparse.Namespace, out: Path) -> None:
+        self.name, self.dir = name, out / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        argv = [sys.executable, "-m", "common.cli", "up", "--port", port, "--model", args.model,
+                "--prefill", str(args.prefill), "--decode", str(args.decode),
+                "--log-dir", str(self.dir / "node-logs"),
+                "--startup-timeout-s", str(args.startup_timeout_s),
+                *DEPLOYMENTS[name], *args.up_args.split()]  # fmt: skip
+        self.log = open(self.dir / "up.log", "w")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=REPO, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + args.startup_timeout_s + 30
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = (self.dir / "up.log").read_text()[-3000:]
+                raise RuntimeError(f"{name} did not get ready:\n{tail}")
+            try:
+                if json.loads(_get(self.url + "/health")).get("status") == "ok":
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+    def node_urls(self, role: str) -> list[str]:
+        token = (self.dir / "node-logs" / "cluster-token").read_text().strip()
+        req = urllib.request.Request(
+            self.url + "/admin/nodes", headers={"Authorization": f"Bearer {token}"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            nodes = json.loads(resp.read())["nodes"]
+        return [n["url"] for n in nodes if n["role"] == role]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # `pdserve up` drains and stops its nodes
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _bench(dep: Deployment, args: argparse.Namespace, n: int, seed: int, out: Path | None) -> None:
+    argv = ["--base-url", dep.url, "--endpoint", "completions", "--tokenizer", args.tokenizer,
+            "--prefix-len", str(args.prefix_len), "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len), "--num-requests", str(n), "--rate", args.rate,
+            "--max-concurrency", str(args.max_concurrency), "--seed", str(seed),
+            "--no-progress", "--request-timeout-s", "300", "--drain-timeout-s", "300"]  # fmt: skip
+    if out is not None:
+        argv += ["--json", str(out)]
+    if bench_serve(argv) != 0:
+        raise RuntimeError(f"{dep.name}: bench-serve failed")
+
+
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    dep = Deployment(name, args, args.out)
+    try:
+        # Warm-up: another seed, so its prompts (and prefix) are not the measured ones.
+        _bench(dep, args, 2, args.seed + 1000, None)
+        before = _kv_bytes(dep)
+        _bench(dep, args, args.num_requests, args.seed, dep.dir / "bench.json")
+        moved = _kv_bytes(dep) - before
+        decisions = sample_sum(
+            _get(dep.url + "/metrics"), "pdserve_proxy_routing_decisions_total",
+            cache_vs_queue="disagree",
+        )  # fmt: skip
+    finally:
+        dep.stop()
+    doc = json.loads((dep.dir / "bench.json").read_text())
+    completed = doc["completed"] or 1
+    return {
+        "deployment": name,
+        "ttft_p50_ms": doc["ttft_ms"]["p50"],
+        "ttft_p99_ms": doc["ttft_ms"]["p99"],
+        "tpot_p50_ms": (doc.get("tpot_ms") or {}).get("p50"),
+        "cache_hit_rate": doc["cache_hit_rate"],
+        "kv_bytes_per_request": moved / completed,
+        "disagreeing_decisions": decisions,
+        "completed": doc["completed"],
+        "failed": doc["failed"],
+    }
+
+
+def _kv_bytes(dep: Deployment) -> float:
+    return sum(
+        sample_sum(_get(url + "/metrics"), "pdserve_transfer_bytes_sum")
+        for url in dep.node_urls("prefill")
+    )
+
+
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels` (Prometheus text)."""
+    total = 0.0
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$")
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        "# Routing and prefix caching compared",
+        "",
+        f"- {args.prefill}P{args.decode}D, model {args.model}; {args.num_requests} requests at "
+        f"{args.rate} req/s (at most {args.max_concurrency} in flight), seed {args.seed}",
+        f"- prompts: {args.prefix_len} shared tokens + {args.input_len} of their own; "
+        f"{args.output_len} output tokens",
+        "",
+        "| deployment | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | cache hit rate | "
+        "KV bytes / request | cache-vs-queue disagreements | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        hit = r["cache_hit_rate"]
+        lines.append(
+            f"| {r['deployment']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+            f"{r['tpot_p50_ms'] or 0:.0f} | {'-' if hit is None else f'{hit:.0%}'} | "
+            f"{r['kv_bytes_per_request'] / 2**20:.2f} MiB | {r['disagreeing_decisions']:.0f} | "
+            f"{r['failed']} |"
+        )
+    by_name = {r["deployment"]: r for r in rows}
+    if "cost" in by_name and "no-cache" in by_name:
+        ratio = by_name["no-cache"]["ttft_p50_ms"] / max(by_name["cost"]["ttft_p50_ms"], 1e-9)
+        lines += ["", f"TTFT p50 without the prefix cache / with it: {ratio:.2f}x"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [r["deployment"] for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar([x - 0.2 for x in xs], [r["ttft_p50_ms"] for r in rows], 0.4, label="TTFT p50")
+    ax.bar([x + 0.2 for x in xs], [r["ttft_p99_ms"] for r in rows], 0.4, label="TTFT p99")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("ms")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.num_requests = 8
+    args.tokenizer = model_dir(args.model)  # exact prompt lengths in the model's tokens
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = [n.strip() for n in args.deployments.split(",") if n.strip()]
+    unknown = [n for n in names if n not in DEPLOYMENTS]
+    if unknown:
+        print(f"compare_routing: unknown deployments {unknown}", file=sys.stderr)
+        return 2
+    rows = []
+    for name in names:
+        print(f"[compare_routing] {name}", file=sys.stderr)
+        rows.append(measure(name, args))
+    text = report(rows, args)
+    (args.out / "report.md").write_text(text)
+    (args.out / "report.json").write_text(json.dumps(rows, indent=2))
+    plot(rows, args.out / "ttft.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
