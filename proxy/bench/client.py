@@ -41,6 +41,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (0 if not reported)
     usage_reported: bool = False
+    text: str = ""  # the generated text
     error: str | None = None  # a short kind, for grouping ("HTTP 503", "timeout", ...)
     detail: str | None = None
 
@@ -68,6 +69,7 @@ class StreamTimer:
         self.last_text_s: float | None = None
         self.itl_s: list[float] = []
         self.text_chunks = 0
+        self.parts: list[str] = []  # the streamed text (a conversation's next turn needs it)
         self.usage: dict[str, Any] | None = None
         self.done_s: float | None = None
 
@@ -87,7 +89,9 @@ class StreamTimer:
         if isinstance(event.get("usage"), dict):
             self.usage = event["usage"]
         for choice in event.get("choices") or []:
-            if _choice_text(choice):
+            text = _choice_text(choice)
+            if text:
+                self.parts.append(text)
                 self._text(t)
 
     def _text(self, t: float) -> None:
@@ -174,6 +178,7 @@ def _http_error(text: str) -> str:
 def _fill(result: RequestResult, timer: StreamTimer) -> None:
     result.ttft_s = timer.first_text_s
     result.itl_s = timer.itl_s
+    result.text = "".join(timer.parts)
     usage = timer.usage or {}
     completion = usage.get("completion_tokens")
     result.usage_reported = isinstance(completion, int)

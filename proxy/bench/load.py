@@ -120,28 +120,34 @@ class Progress:
             self.draw()
 
 
+Sent = RequestResult | list[RequestResult]  # one request, or a conversation's turns
+
+
 async def run_load(
     cfg: LoadConfig,
     items: Iterator[T],
-    send: Callable[[T, float], Awaitable[RequestResult]],
+    send: Callable[[T, float], Awaitable[Sent]],
     arrival_seed: int,
     progress: Progress,
 ) -> LoadOutcome:
-    """Send `items` on the schedule; `send(item, run_start)` runs one request and must
-    return a result (failures included) rather than raise."""
+    """Send `items` on the schedule; `send(item, run_start)` runs one request (or one
+    conversation: its turns, in order) and must return its results (failures included)
+    rather than raise. Counts and the concurrency cap are per item."""
     offsets = arrival_offsets(cfg.rate, cfg.arrival, random.Random(arrival_seed))
     slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     start = time.perf_counter()
     deadline = start + cfg.duration_s if cfg.duration_s else math.inf
-    tasks: list[tuple[asyncio.Task[RequestResult], float]] = []
+    tasks: list[tuple[asyncio.Task[Sent], float]] = []
     progress.start = start
     ticker = asyncio.ensure_future(progress.ticker())
 
-    def finished(task: asyncio.Task[RequestResult]) -> None:
+    def finished(task: asyncio.Task[Sent]) -> None:
         if slots is not None:
             slots.release()
         progress.done += 1
-        if task.cancelled() or task.exception() is not None or not task.result().ok:
+        if task.cancelled() or task.exception() is not None:
+            progress.failed += 1
+        elif not all(r.ok for r in _flat(task.result())):
             progress.failed += 1
 
     timed_out = False  # stopped sending at the deadline rather than after num_requests
@@ -185,8 +191,12 @@ async def _acquire_before(slots: asyncio.Semaphore, deadline: float) -> bool:
     return True
 
 
+def _flat(sent: Sent) -> list[RequestResult]:
+    return sent if isinstance(sent, list) else [sent]
+
+
 async def _drain(
-    tasks: list[tuple[asyncio.Task[RequestResult], float]], timeout_s: float
+    tasks: list[tuple[asyncio.Task[Sent], float]], timeout_s: float
 ) -> list[RequestResult]:
     """Wait up to `timeout_s` for every request; the ones still running are cancelled and
     count as failed. An exception out of `send` (a bug) counts as a failure too, so every
@@ -204,7 +214,7 @@ async def _drain(
         elif (exc := task.exception()) is not None:
             results.append(_failed(start_s, f"client bug: {type(exc).__name__}", str(exc)))
         else:
-            results.append(task.result())
+            results.extend(_flat(task.result()))
     return results
 
 

@@ -41,8 +41,10 @@ from proxy.bench.load import ARRIVALS, LoadConfig, Progress, run_load
 from proxy.bench.report import plot_cdfs, plot_sweep, rate_label, summary_table, sweep_table
 from proxy.bench.stats import Slo, samples_ms, summarize
 from proxy.bench.workload import (
+    ConversationWorkload,
     JsonlWorkload,
     RandomWorkload,
+    Session,
     TokenCounter,
     WorkItem,
     request_body,
@@ -61,7 +63,7 @@ class BenchConfig:
     model: str | None  # None: the first of GET /v1/models
     rates: tuple[float, ...]
     load: LoadConfig  # its rate is replaced per run
-    workload: RandomWorkload | JsonlWorkload
+    workload: RandomWorkload | JsonlWorkload | ConversationWorkload
     slo: Slo
     request_timeout_s: float = 300.0
     temperature: float = 0.0
@@ -81,6 +83,8 @@ class BenchConfig:
             raise ValueError("--rate needs at least one value")
         if not self.request_timeout_s > 0:
             raise ValueError("--request-timeout-s must be > 0")
+        if isinstance(self.workload, ConversationWorkload) and self.endpoint != "chat":
+            raise ValueError("conversations (--turns > 1) need --endpoint chat")
         if isinstance(self.workload, JsonlWorkload) and self.endpoint == "completions":
             if any(item.prompt is None for item in self.workload.items_in_file):
                 raise ValueError('the dataset has "messages" lines: use --endpoint chat')
@@ -93,6 +97,7 @@ class BenchConfig:
         """The run's settings as they go into its JSON."""
         w = self.workload
         random_w = w if isinstance(w, RandomWorkload) else None
+        talk = w if isinstance(w, ConversationWorkload) else None
         return {
             "base_url": self.base_url,
             "endpoint": self.endpoint,
@@ -108,6 +113,16 @@ class BenchConfig:
             "input_len": random_w.input_len if random_w else None,
             "output_len": random_w.output_len if random_w else None,
             "range_ratio": random_w.range_ratio if random_w else None,
+            "prefix_len": random_w.prefix_len if random_w else None,
+            "conversation": None
+            if talk is None
+            else {
+                "turns": talk.turns,
+                "system_len": talk.system_len,
+                "user_len": talk.user_len,
+                "output_len": talk.output_len,
+                "think_time_s": talk.think_time_s,
+            },
             "tokenizer": self.tokenizer,
             "temperature": self.temperature,
             "ignore_eos": self.ignore_eos,
@@ -183,7 +198,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-len",
         type=int,
         default=0,
-        help="tokens shared by every random prompt, before its own --input-len: %(default)s",
+        help="tokens shared by every random prompt, before its own --input-len (with "
+        "--turns: the system prompt's length): %(default)s",
+    )
+    g.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="> 1: conversations (--endpoint chat) of this many turns, each sending the whole "
+        "history, previous answers included; --num-requests counts conversations: %(default)s",
+    )
+    g.add_argument(
+        "--think-time-s", type=float, default=0.0, help="between a conversation's turns: 0"
     )
     g.add_argument(
         "--output-len", type=int, default=64, help="output tokens (max_tokens): %(default)s"
@@ -230,13 +256,20 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
     for rate in args.rate[1:]:
         replace(load, rate=rate)  # each run's bounds are valid
-    workload: RandomWorkload | JsonlWorkload
+    workload: RandomWorkload | JsonlWorkload | ConversationWorkload
     if args.dataset is not None:
         workload = JsonlWorkload.load(args.dataset, args.output_len)
     else:
         workload = RandomWorkload(
             args.input_len, args.output_len, args.range_ratio, args.prefix_len
         )
+    if args.turns > 1:
+        if args.dataset is not None:
+            raise ValueError("--turns and --dataset cannot be combined")
+        workload = ConversationWorkload(
+            args.prefix_len, args.input_len, args.output_len, args.turns, args.think_time_s,
+            args.range_ratio,
+        )  # fmt: skip
     return BenchConfig(
         base_url=args.base_url.rstrip("/").removesuffix("/v1"),
         endpoint=args.endpoint,
@@ -280,6 +313,7 @@ def _items(cfg: BenchConfig, tokenizer: TokenCounter | None) -> Iterator[WorkIte
     """The run's requests; every run of a sweep gets the same ones."""
     if isinstance(cfg.workload, JsonlWorkload):
         return cfg.workload.items(cfg.seed)
+    assert isinstance(cfg.workload, RandomWorkload)
     return cfg.workload.items(cfg.seed, tokenizer)
 
 
@@ -299,8 +333,26 @@ async def run_rate(
         )
         return await send_request(session, cfg.url, body, run_start)
 
+    async def converse(talk: Session, run_start: float) -> list[RequestResult]:
+        """The turns of one conversation, in order; it stops at a failed turn."""
+        assert isinstance(cfg.workload, ConversationWorkload)
+        results: list[RequestResult] = []
+        answers: list[str] = []
+        for t in range(len(talk.users)):
+            if t:
+                await asyncio.sleep(cfg.workload.think_time_s)
+            results.append(await send(talk.turn(t, answers), run_start))
+            if not results[-1].ok:
+                break
+            answers.append(results[-1].text)
+        return results
+
     progress = Progress(load, f"rate {rate_label(rate)}", enabled=cfg.progress)
-    outcome = await run_load(load, _items(cfg, tokenizer), send, cfg.seed + 1, progress)
+    if isinstance(cfg.workload, ConversationWorkload):
+        talks = cfg.workload.sessions(cfg.seed, tokenizer)
+        outcome = await run_load(load, talks, converse, cfg.seed + 1, progress)
+    else:
+        outcome = await run_load(load, _items(cfg, tokenizer), send, cfg.seed + 1, progress)
     summary = summarize(outcome.results, outcome.duration_s, cfg.slo)
     return {"schema": SCHEMA, "config": cfg.record(model, rate), **summary}, samples_ms(
         outcome.results

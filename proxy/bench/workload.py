@@ -1,6 +1,6 @@
 """bench-serve workloads: what each benchmark request asks for.
 
-Two sources, both deterministic for a given seed:
+Three sources, all deterministic for a given seed:
 
 - random (like vLLM's random dataset): prompt and output lengths drawn uniformly from
   ``[len * (1 - range_ratio), len * (1 + range_ratio)]``; the prompt is random common English
@@ -10,6 +10,11 @@ Two sources, both deterministic for a given seed:
   vocabulary makes prompts longer in tokens: the usage chunk's ``prompt_tokens`` is what
   gets reported). With ``--tokenizer DIR`` the words are encoded, cut to the drawn length
   and decoded, so the prompt is that many tokens up to re-encoding drift at the cut.
+- conversations (chat only): sessions of ``turns`` requests sharing one system prompt of
+  ``system_len`` words (the same for every session of a seed); turn t sends the system
+  prompt, every earlier user message and the answer the server gave to it, and a new user
+  message, after ``think_time_s`` (so each prompt contains the previous answer, as in a
+  multi-turn chat: the prefix-cache workload).
 - a JSONL file: one object per line, ``{"prompt": str, "max_tokens"?: int}`` or
   ``{"messages": [...], "max_tokens"?: int}``; lines are shuffled with the seed and reused
   in turn when more requests are sent than the file holds.
@@ -91,6 +96,57 @@ class RandomWorkload:
         while True:
             n_in, n_out = self.lengths(rng)
             yield WorkItem(max_tokens=n_out, prompt=prefix + _prompt(rng, n_in, tokenizer))
+
+
+@dataclass(frozen=True)
+class Session:
+    """One conversation: its system prompt, its user messages and each turn's output cap."""
+
+    system: str
+    users: tuple[str, ...]
+    max_tokens: tuple[int, ...]
+
+    def turn(self, t: int, answers: list[str]) -> WorkItem:
+        """Turn `t` (from 0), given the answers to the turns before it."""
+        if len(answers) != t:
+            raise ValueError(f"turn {t} needs {t} earlier answers, got {len(answers)}")
+        messages: list[dict[str, Any]] = [{"role": "system", "content": self.system}]
+        for user, answer in zip(self.users[:t], answers, strict=True):
+            messages += [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": answer},
+            ]
+        messages.append({"role": "user", "content": self.users[t]})
+        return WorkItem(max_tokens=self.max_tokens[t], messages=tuple(messages))
+
+
+@dataclass(frozen=True)
+class ConversationWorkload:
+    system_len: int
+    user_len: int
+    output_len: int
+    turns: int
+    think_time_s: float = 0.0
+    range_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.turns < 1 or self.user_len < 1 or self.output_len < 1 or self.system_len < 0:
+            raise ValueError("--turns, --input-len, --output-len >= 1 and --prefix-len >= 0")
+        if self.think_time_s < 0:
+            raise ValueError(f"--think-time-s must be >= 0, got {self.think_time_s}")
+        RandomWorkload(self.user_len, self.output_len, self.range_ratio)  # checks the ratio
+
+    def sessions(self, seed: int, tokenizer: TokenCounter | None = None) -> Iterator[Session]:
+        rng = random.Random(seed)
+        system = _prompt(random.Random(f"system-{seed}"), self.system_len, tokenizer)
+        while True:
+            ratio = self.range_ratio
+            lengths = [
+                (_draw(rng, self.user_len, ratio), _draw(rng, self.output_len, ratio))
+                for _ in range(self.turns)
+            ]
+            users = tuple(_prompt(rng, n_in, tokenizer) for n_in, _ in lengths)
+            yield Session(system, users, tuple(n_out for _, n_out in lengths))
 
 
 def _draw(rng: random.Random, length: int, ratio: float) -> int:

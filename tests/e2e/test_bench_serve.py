@@ -111,3 +111,22 @@ def test_bench_serve_chat_rate_sweep(
         assert doc["goodput"] == pytest.approx(doc["request_throughput"])
     assert (tmp_path / "latency_vs_rate.png").stat().st_size > 0
     cluster.wait_baseline()
+
+
+def test_bench_serve_conversations_reuse_the_cache(cluster: Service, tmp_path: Path) -> None:
+    """Issue 14's workload: conversations whose turns carry the history; later turns find
+    the system prompt and earlier turns cached (the hit rate comes from usage)."""
+    out = tmp_path / "talk.json"
+    status = main(
+        [
+            *("--base-url", cluster.url, "--endpoint", "chat", "--num-requests", "3"),
+            *("--turns", "3", "--think-time-s", "0.05", "--prefix-len", "64"),
+            *("--input-len", "8", "--output-len", "4", "--no-progress", "--json", str(out)),
+        ]
+    )
+    assert status == 0
+    doc = json.loads(out.read_text())
+    assert doc["completed"] == 9 and doc["failed"] == 0  # 3 conversations of 3 turns
+    assert doc["config"]["conversation"]["turns"] == 3
+    assert doc["cache_hit_rate"] > 0.3 and doc["total_cached_tokens"] > 0
+    cluster.wait_baseline()

@@ -102,3 +102,21 @@ def test_bench_engine_times_both_engines_on_every_row(tmp_path: Path, tiny_model
     for r in rows:
         assert len(r["pdserve_runs"]) == len(r["hf_runs"]) == 2
         assert r["pdserve_tok_s"] > 0 and r["transformers_tok_s"] > 0
+
+
+def test_compare_routing_report_has_every_deployment_and_the_cache_ratio() -> None:
+    cr = _script("compare_routing")
+    args = cr.build_parser().parse_args(["--num-requests", "5"])
+    rows = [
+        {"deployment": name, "ttft_p50_ms": p50, "ttft_p99_ms": 2 * p50, "tpot_p50_ms": 30.0,
+         "cache_hit_rate": hit, "kv_bytes_per_request": 3 * 2**20, "disagreeing_decisions": 2.0,
+         "completed": 5, "failed": 0}
+        for name, p50, hit in (("cost", 100.0, 0.8), ("no-cache", 450.0, None))
+    ]  # fmt: skip
+    text = cr.report(rows, args)
+    assert "| cost | 100 | 200 | 30 | 80% | 3.00 MiB | 2 | 0 |" in text
+    assert "| no-cache | 450 | 900 | 30 | - |" in text
+    assert "without the prefix cache / with it: 4.50x" in text
+    metrics = 'x_total{policy="cost",cache_vs_queue="disagree"} 3.0\nx_total{policy="cost"} 5\n'
+    assert cr.sample_sum(metrics, "x_total", cache_vs_queue="disagree") == 3.0
+    assert cr.sample_sum(metrics, "x_total") == 8.0

@@ -20,7 +20,13 @@ from proxy.bench.client import RequestResult, StreamError, StreamTimer, parse_ss
 from proxy.bench.load import LoadConfig, Progress, arrival_offsets, run_load
 from proxy.bench.main import bench, build_parser, config_from_args, json_paths, main
 from proxy.bench.stats import Slo, distribution, max_concurrent, summarize
-from proxy.bench.workload import JsonlWorkload, RandomWorkload, WorkItem, request_body
+from proxy.bench.workload import (
+    ConversationWorkload,
+    JsonlWorkload,
+    RandomWorkload,
+    WorkItem,
+    request_body,
+)
 
 
 def _ok(ttft: float, e2el: float, tokens: int, start: float = 0.0, **kw: Any) -> RequestResult:
@@ -408,3 +414,29 @@ def test_random_prompts_can_share_a_prefix() -> None:
     assert other.prompt.split()[:30] != words[0][:30]  # another seed, another prefix
     with pytest.raises(ValueError):
         RandomWorkload(8, 3, prefix_len=-1)
+
+
+def test_a_conversation_carries_its_history_and_answers_forward() -> None:
+    w = ConversationWorkload(system_len=20, user_len=5, output_len=3, turns=3)
+    talks = list(itertools.islice(w.sessions(seed=2), 4))
+    assert talks == list(itertools.islice(w.sessions(seed=2), 4))  # the seed fixes them
+    assert len({t.system for t in talks}) == 1 and len(talks[0].system.split()) == 20
+    assert len({t.users for t in talks}) == 4 and all(len(t.users) == 3 for t in talks)
+    third = talks[0].turn(2, ["first answer", "second answer"])
+    roles = [m["role"] for m in third.messages or ()]
+    assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in third.messages or ()][2::2] == ["first answer", "second answer"]
+    with pytest.raises(ValueError):
+        talks[0].turn(1, [])  # turn 1 needs the answer to turn 0
+    with pytest.raises(ValueError):
+        ConversationWorkload(20, 5, 3, turns=2, think_time_s=-1)
+
+
+def test_the_load_loop_takes_a_conversations_turns_as_its_results() -> None:
+    cfg = LoadConfig(rate=math.inf, max_concurrency=2, num_requests=3)
+
+    async def send(item: int, run_start: float) -> list[RequestResult]:
+        return [_ok(0.01, 0.02, 2) for _ in range(4)]
+
+    out = asyncio.run(run_load(cfg, iter(range(10)), send, 0, _quiet(cfg)))
+    assert len(out.results) == 12 and all(r.ok for r in out.results)
