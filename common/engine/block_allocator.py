@@ -70,6 +70,8 @@ class BlockAllocator:
         self._by_hash: dict[int, int] = {}
         self._counts = {s: 0 for s in BlockState}
         self._counts[BlockState.FREE] = num_blocks
+        self._shared = 0  # blocks with more than one reference
+        self._cached_free = 0  # registered blocks without references
         self.evictions = 0
         # KV events: (number, "stored" | "removed", hash), numbered from 1; None: not kept.
         # Bounded: a consumer that falls behind sees a gap in the numbers and resyncs.
@@ -239,12 +241,12 @@ class BlockAllocator:
         return out
 
     def cache_counts(self) -> dict[str, int]:
-        """The prefix cache: registered blocks, those free (evictable), those shared."""
-        cached_free = sum(1 for b in self._by_hash.values() if self._ref[b] == 0)
+        """The prefix cache: registered blocks, those free (evictable), those shared (O(1):
+        it is published after every step)."""
         return {
             "cached": len(self._by_hash),
-            "cached_free": cached_free,
-            "shared": sum(1 for r in self._ref if r > 1),
+            "cached_free": self._cached_free,
+            "shared": self._shared,
             "evictions": self.evictions,
         }
 
@@ -255,20 +257,30 @@ class BlockAllocator:
         c = self._counts
         assert sum(c.values()) == self.num_blocks, c
         assert len(self._free) == c[BlockState.FREE], (len(self._free), c)
-        for s in BlockState:
-            assert sum(1 for b in range(self.num_blocks) if self.state(b) is s) == c[s], (s, c)
-        for b in range(self.num_blocks):
-            assert sum(self._holders[b].values()) == self._ref[b], (b, self._holders[b])
-            assert min(self._holders[b].values(), default=0) >= 0, (b, self._holders[b])
-            assert (b in self._free) == (self._ref[b] == 0), (b, self._ref[b])
-            h = self._hash[b]
-            assert h is None or self._by_hash.get(h) == b, (b, h)
+        seen = dict.fromkeys(BlockState, 0)
+        shared = cached_free = 0
+        free, hashes, by_hash = self._free, self._hash, self._by_hash
+        for b, (holders, ref, h) in enumerate(zip(self._holders, self._ref, hashes, strict=True)):
+            assert h is None or by_hash.get(h) == b, (b, h)
+            if ref == 0:  # most blocks, when idle: keep this path short
+                assert not holders and b in free, (b, holders)
+                seen[BlockState.FREE] += 1
+                cached_free += h is not None
+                continue
+            seen[self.state(b)] += 1
+            assert sum(holders.values()) == ref and min(holders.values()) >= 0, (b, holders)
+            assert b not in free, b
+            shared += ref > 1
+        assert seen == c, (seen, c)
+        assert (shared, cached_free) == (self._shared, self._cached_free), (shared, cached_free)
         assert all(self._hash[b] == h for h, b in self._by_hash.items())
 
     # -- internals ------------------------------------------------------------------------
 
     def _take(self, b: int, state: BlockState) -> None:
         """A free block (already off the free list) gets its first reference."""
+        if self._hash[b] is not None:
+            self._cached_free -= 1
         self._ref[b] = 1
         self._holders[b] = Counter({state: 1})
         self._counts[BlockState.FREE] -= 1
@@ -277,16 +289,19 @@ class BlockAllocator:
     def _add_ref(self, b: int, state: BlockState) -> None:
         before = self.state(b)
         self._ref[b] += 1
+        self._shared += self._ref[b] == 2
         self._holders[b][state] += 1
         self._recount(b, before)
 
     def _drop_ref(self, b: int, state: BlockState) -> None:
         before = self.state(b)
         self._ref[b] -= 1
+        self._shared -= self._ref[b] == 1
         self._holders[b][state] -= 1
         if self._ref[b]:
             self._recount(b, before)
             return
+        self._cached_free += self._hash[b] is not None
         self._holders[b] = Counter()
         self._counts[before] -= 1
         self._counts[BlockState.FREE] += 1
@@ -306,6 +321,7 @@ class BlockAllocator:
             del self._by_hash[h]
             self._hash[b] = None
             self.evictions += 1
+            self._cached_free -= self._ref[b] == 0
             self._event("removed", h)
 
     def _only_state(self, b: int) -> BlockState:

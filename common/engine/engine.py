@@ -463,7 +463,8 @@ class LLMEngine:
                 state = BlockState.HELD if record.stage is Stage.HELD else BlockState.RESERVED
                 for b in record.blocks:
                     owners[b][state] += 1
-        for b in range(self.allocator.num_blocks):
+        referenced = (b for b in range(self.allocator.num_blocks) if self.allocator.ref_count(b))
+        for b in set(referenced) | set(owners):
             assert self.allocator.holders(b) == dict(owners.get(b, {})), (
                 "owners",
                 b,
