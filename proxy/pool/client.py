@@ -256,6 +256,8 @@ class NodeClient:
         """POST `msg` and return the accepted NDJSON stream (after the 200 headers)."""
         try:
             resp = await asyncio.wait_for(self._post(url + path, msg), self.timeouts.first_byte_s)
+        except aiohttp.ConnectionTimeoutError:  # (a TimeoutError too): never reached the node
+            raise self._no_connection(url) from None
         except asyncio.TimeoutError:
             raise BackendError.failed(
                 f"node {url} did not answer {path} within {self.timeouts.first_byte_s:g} s"
@@ -270,6 +272,11 @@ class NodeClient:
         return NodeStream(url, request_id, resp, self.timeouts.read_line_s)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _no_connection(self, url: str) -> NodeUnreachable:
+        """No connection within the connect timeout (a partition, a node gone silent): the
+        request was never sent, so another node may take it."""
+        return NodeUnreachable(url, f"no connection within {self.timeouts.connect_s:g} s")
 
     def _control(self) -> aiohttp.ClientTimeout:
         return self._total(self.timeouts.control_s)
@@ -290,6 +297,8 @@ class NodeClient:
                 if resp.status != 200:
                     raise await self._error(url, resp)
                 body = await resp.read()
+        except aiohttp.ConnectionTimeoutError:  # (a TimeoutError too): never reached the node
+            raise self._no_connection(url) from None
         except asyncio.TimeoutError:
             raise BackendError.failed(
                 f"node {url} did not answer {path} within {timeout.total:g} s"
