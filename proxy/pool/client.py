@@ -206,30 +206,22 @@ class NodeClient:
             raise NodeUnreachable(url, _describe(e)) from None
 
     async def state(self, url: str) -> dict[str, Any]:
-        try:
-            async with self.session.get(url + "/state", timeout=self._control()) as resp:
-                if resp.status != 200:
-                    raise NodeUnreachable(url, f"GET /state answered {resp.status}")
-                data = await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            raise NodeUnreachable(url, _describe(e)) from None
-        if not isinstance(data, dict):
-            raise NodeUnreachable(url, "GET /state did not answer a JSON object")
-        return data
+        return await self._get_json(url, "/state")
 
     async def kv_cache(self, url: str) -> dict[str, Any]:
         """The node's KV-event snapshot (GET /internal/kv_cache)."""
+        return await self._get_json(url, "/internal/kv_cache")
+
+    async def _get_json(self, url: str, path: str) -> dict[str, Any]:
         try:
-            async with self.session.get(
-                url + "/internal/kv_cache", timeout=self._control()
-            ) as resp:
+            async with self.session.get(url + path, timeout=self._control()) as resp:
                 if resp.status != 200:
-                    raise NodeUnreachable(url, f"GET /internal/kv_cache answered {resp.status}")
+                    raise NodeUnreachable(url, f"GET {path} answered {resp.status}")
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             raise NodeUnreachable(url, _describe(e)) from None
         if not isinstance(data, dict):
-            raise NodeUnreachable(url, "GET /internal/kv_cache did not answer a JSON object")
+            raise NodeUnreachable(url, f"GET {path} did not answer a JSON object")
         return data
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillResult:

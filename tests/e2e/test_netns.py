@@ -208,14 +208,20 @@ def test_a_partition_of_the_decode_link_fails_bounded_then_heals(deployment: Dep
     deployment.wait_baseline()
 
 
-def test_the_decode_node_killed_and_relaunched_on_its_address(deployment: Deployment) -> None:
-    deployment.procs["decode"].send_signal(signal.SIGKILL)
-    deployment.procs["decode"].wait(10)
+@pytest.mark.parametrize("node", ["decode", "prefill"])
+def test_a_node_killed_and_relaunched_on_its_address(deployment: Deployment, node: str) -> None:
+    _kill(deployment, node)
     got = deployment.client("complete", deployment.url("proxy"), "while it is down", "4")
     assert "error" in got or "text" in got  # a clear answer, not a hang
-    deployment.start("decode")
+    deployment.start(node)
+    # (A relaunched prefill node is a new incarnation: the decode node handshakes with it.)
     _until_served(deployment, "back again")
     deployment.wait_baseline()
+
+
+def _kill(deployment: Deployment, name: str) -> None:
+    deployment.procs[name].send_signal(signal.SIGKILL)
+    deployment.procs[name].wait(10)
 
 
 def _until_served(deployment: Deployment, prompt: str, timeout: float = 60) -> None:
@@ -228,25 +234,13 @@ def _until_served(deployment: Deployment, prompt: str, timeout: float = 60) -> N
 
 def _relaunch(deployment: Deployment, name: str, *extra: str) -> None:
     """SIGKILL `name` and start it again on its address (a new incarnation)."""
-    deployment.procs[name].send_signal(signal.SIGKILL)
-    deployment.procs[name].wait(10)
+    _kill(deployment, name)
     argv = deployment.argv[name]
     deployment.argv[name] = [*argv, *extra]
     try:
         deployment.start(name)
     finally:
         deployment.argv[name] = argv
-
-
-def test_the_prefill_node_killed_and_relaunched_on_its_address(deployment: Deployment) -> None:
-    deployment.procs["prefill"].send_signal(signal.SIGKILL)
-    deployment.procs["prefill"].wait(10)
-    got = deployment.client("complete", deployment.url("proxy"), "while it is down", "4")
-    assert "error" in got or "text" in got  # a clear answer, not a hang
-    deployment.start("prefill")
-    # The decode node handshakes with the new incarnation at the old address.
-    _until_served(deployment, "back again")
-    deployment.wait_baseline()
 
 
 def test_a_partition_longer_than_the_peer_timeout_in_the_middle_of_a_transfer(

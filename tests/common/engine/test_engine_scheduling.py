@@ -31,19 +31,6 @@ def prompts(*lens: int, seed: int = 3) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.fixture(scope="module")
-def model_dir(hf_checkpoint):
-    return hf_checkpoint("llama").path
-
-
-@pytest.fixture
-def make_engine(model_dir):
-    def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(model_dir), **{"num_blocks": 64, **kw}))
-
-    return make
-
-
 def run_alone(engine, driver_cls, prompt, params) -> list[int]:
     driver = driver_cls(engine)
     driver.add("alone", prompt, params)

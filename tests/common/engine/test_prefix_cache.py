@@ -4,11 +4,9 @@ check_integrity, which checks every reference to every block against its owner).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from common.engine.block_allocator import BlockState
-from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.wire.sampling_params import SamplingParams
 
@@ -22,19 +20,6 @@ def greedy(max_tokens: int = 8) -> SamplingParams:
 def tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (n,), generator=g).tolist()
-
-
-@pytest.fixture(scope="module")
-def model_dir(hf_checkpoint):
-    return hf_checkpoint("llama").path
-
-
-@pytest.fixture
-def make_engine(model_dir):
-    def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(model_dir), **{"num_blocks": 64, **kw}))
-
-    return make
 
 
 def run(engine: LLMEngine, driver_cls, reqs: dict[str, list[int]], params) -> tuple[dict, dict]:
