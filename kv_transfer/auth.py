@@ -63,9 +63,6 @@ class Sealer:
         seq = _SEQ.pack(self._seq)
         return seq + hmac.new(key, seq + payload, hashlib.sha256).digest()
 
-    def forget(self, receiver: str) -> None:
-        self._keys.pop(receiver, None)
-
 
 class Opener:
     """Checks seals on what one agent receives under one label."""

@@ -163,11 +163,6 @@ class Node:
         slots = cap.max_num_seqs - cap.running - cap.reserved - self.sent_requests
         return slots > 0, free
 
-    def busy(self) -> int:
-        """Requests waiting or running on the node (colocated routing)."""
-        requests = self.state.requests if self.state is not None else {}
-        return sum(requests.get(k, 0) for k in ("waiting", "running")) + self.sent_requests
-
     def describe(self) -> dict[str, Any]:
         """The node's row in `GET /admin/nodes`."""
         state = self.state

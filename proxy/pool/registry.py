@@ -117,11 +117,6 @@ class NodeRegistry:
 
     # -- routing -----------------------------------------------------------------------------
 
-    def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Node:
-        """The healthy prefill node with the least queued prefill work."""
-        nodes = self.candidates(Role.PREFILL, exclude)
-        return min(nodes, key=lambda n: (n.prefill_load(), n.inflight))
-
     def decode_candidates(self, prompt_token_ids: list[int] | None = None) -> list[Node]:
         """Healthy decode nodes, roomiest first (the first offer goes there): a free slot,
         then free blocks plus the blocks of the prompt the node has cached."""
@@ -136,11 +131,6 @@ class NodeRegistry:
             return slot, free
 
         return sorted(nodes, key=room, reverse=True)
-
-    def pick_colocated(self, exclude: frozenset[str] = frozenset()) -> Node:
-        """The healthy colocated (`both`) node with the fewest requests."""
-        nodes = self.candidates(Role.BOTH, exclude)
-        return min(nodes, key=lambda n: (n.busy(), -n.decode_room()[1]))
 
     @contextlib.contextmanager
     def track(self, node: Node, num_tokens: int) -> Iterator[None]:

@@ -11,7 +11,7 @@ from aiohttp import web
 from proxy.http.backend import BackendError
 from proxy.pool.admin import AdminRoutes
 from proxy.pool.client import NodeClient
-from proxy.pool.node_state import NodeStatus, Role
+from proxy.pool.node_state import Node, NodeStatus, Role
 from proxy.pool.registry import NodeRegistry, RegistrationError, RegistryConfig
 from tests.support.node_stubs import FAST, StubNode, eventually, run, stubs
 
@@ -50,13 +50,13 @@ def test_a_stopped_node_goes_down_and_rejoins_when_restarted_at_the_same_url() -
             await eventually(lambda: entry.status is NodeStatus.DOWN, what="down")
             assert entry.error and node.url in entry.error
             with pytest.raises(BackendError) as err:
-                registry.pick_prefill()
+                registry.router.pick(Role.PREFILL, [1])
             assert err.value.status == 503
             await node.start(port)
             await eventually(lambda: entry.healthy, what="up again")
             assert entry.state is not None and entry.state.engine_id != first_engine
             assert ups == [node.url, node.url]
-            assert registry.pick_prefill() is entry
+            assert registry.router.pick(Role.PREFILL, [1]).node is entry
 
     run(body())
 
@@ -123,6 +123,11 @@ def test_flag_nodes_are_verified_by_the_poller_and_the_first_sets_the_fingerprin
     run(body())
 
 
+def _prefill(registry: NodeRegistry, exclude: frozenset[str] = frozenset()) -> Node:
+    """Where the registry's router (default policy, no cache known) sends a prompt."""
+    return registry.router.pick(Role.PREFILL, [1], exclude).node
+
+
 def test_prefill_goes_to_the_least_queued_node_counting_what_was_sent_since_the_poll() -> None:
     async def body() -> None:
         busy, idle = StubNode("prefill"), StubNode("prefill")
@@ -130,14 +135,14 @@ def test_prefill_goes_to_the_least_queued_node_counting_what_was_sent_since_the_
         async with stubs(busy, idle), Registry(poll_interval_s=60) as registry:
             b, i = registry.add(busy.url, "prefill"), registry.add(idle.url, "prefill")
             await registry.poll_all()
-            assert registry.pick_prefill() is i
+            assert _prefill(registry) is i
             with registry.track(i, 200):  # in flight, not yet in its /state
-                assert registry.pick_prefill() is b
+                assert _prefill(registry) is b
                 assert i.inflight == 1
-            assert registry.pick_prefill() is b  # sent since the last poll still counts
+            assert _prefill(registry) is b  # sent since the last poll still counts
             await registry.poll_all()
-            assert registry.pick_prefill() is i
-            assert registry.pick_prefill(exclude=frozenset({i.url})) is b
+            assert _prefill(registry) is i
+            assert _prefill(registry, frozenset({i.url})) is b
 
     run(body())
 
