@@ -3,11 +3,13 @@
 
     python scripts/compare_routing.py [--quick] [--out DIR] [--model M]
         [--deployments cost,cache-affinity,least-load,round-robin,no-cache]
+        [--turns T --think-time-s S]     # multi-turn chats instead of one shared prefix
 
 Each deployment is `pdserve up --prefill P --decode D` (default 2P2D) with `--routing X`
-(`no-cache`: `--routing cost --no-prefix-caching`), started on a free loopback port, warmed
+(`no-cache`: `--routing cost --no-prefix-caching`), started on loopback port 0, warmed
 up, given the same bench-serve run (random prompts after a shared prefix of --prefix-len
-tokens, as a system prompt; the seed fixes prompts and arrivals), then stopped by pid (an
+tokens, as a system prompt; or, with --turns, conversations whose turns resend the history;
+the seed fixes prompts and arrivals), then stopped by pid (an
 `atexit` hook stops whatever is still running). The report (DIR/report.md, DIR/report.json)
 has, per deployment: TTFT p50/p99, TPOT p50, the prefix cache hit rate (usage.cached_tokens
 over prompt tokens), KV bytes moved per request (the prefill nodes' transfer-bytes
@@ -37,7 +39,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.cli.models import model_dir  # noqa: E402
-from common.cli.up import free_port  # noqa: E402
 from proxy.bench.main import main as bench_serve  # noqa: E402
 
 DEPLOYMENTS = {
@@ -59,7 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-len", type=int, default=768, help="shared prompt tokens")
     p.add_argument("--input-len", type=int, default=96, help="each prompt's own tokens")
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--num-requests", type=int, default=40, help="with --turns: conversations")
+    p.add_argument(
+        "--turns", type=int, default=1,
+        help="> 1: multi-turn chats (bench-serve's conversation mode: --prefix-len is the "
+        "system prompt, --input-len each user message; every turn resends the history)",
+    )  # fmt: skip
+    p.add_argument("--think-time-s", type=float, default=0.0, help="between a chat's turns")
     p.add_argument("--rate", default="0.5", help="requests per second (bench-serve --rate)")
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -67,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument("--up-args", default="", help="more `pdserve up` flags for every deployment")
     return p
+
+
+def _announced(log: Path, prefix: str) -> str:
+    """The first word after `prefix` on a line of `log` starting with it; "" if none yet."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith(prefix) and line[len(prefix) :].split():
+            return line[len(prefix) :].split()[0]
+    return ""
 
 
 def _get(url: str, timeout: float = 5.0) -> str:
@@ -80,9 +95,8 @@ class Deployment:
     def __init__(self, name: str, args: argparse.Namespace, out: Path) -> None:
         self.name, self.dir = name, out / name
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = self.url.rsplit(":", 1)[1]
-        argv = [sys.executable, "-m", "common.cli", "up", "--port", port, "--model", args.model,
+        self.url = ""  # `pdserve up --port 0` names its URL on its ready line
+        argv = [sys.executable, "-m", "common.cli", "up", "--port", "0", "--model", args.model,
                 "--prefill", str(args.prefill), "--decode", str(args.decode),
                 "--log-dir", str(self.dir / "node-logs"),
                 "--startup-timeout-s", str(args.startup_timeout_s),
@@ -97,8 +111,9 @@ class Deployment:
                 self.stop()
                 tail = (self.dir / "up.log").read_text()[-3000:]
                 raise RuntimeError(f"{name} did not get ready:\n{tail}")
+            self.url = self.url or _announced(self.dir / "up.log", "pdserve proxy ready:")
             try:
-                if json.loads(_get(self.url + "/health")).get("status") == "ok":
+                if self.url and json.loads(_get(self.url + "/health")).get("status") == "ok":
                     break
             except OSError:
                 pass
@@ -125,11 +140,14 @@ class Deployment:
 
 
 def _bench(dep: Deployment, args: argparse.Namespace, n: int, seed: int, out: Path | None) -> None:
-    argv = ["--base-url", dep.url, "--endpoint", "completions", "--tokenizer", args.tokenizer,
+    endpoint = "chat" if args.turns > 1 else "completions"
+    argv = ["--base-url", dep.url, "--endpoint", endpoint, "--tokenizer", args.tokenizer,
             "--prefix-len", str(args.prefix_len), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--num-requests", str(n), "--rate", args.rate,
             "--max-concurrency", str(args.max_concurrency), "--seed", str(seed),
             "--no-progress", "--request-timeout-s", "300", "--drain-timeout-s", "300"]  # fmt: skip
+    if args.turns > 1:
+        argv += ["--turns", str(args.turns), "--think-time-s", str(args.think_time_s)]
     if out is not None:
         argv += ["--json", str(out)]
     if bench_serve(argv) != 0:
@@ -184,13 +202,29 @@ def sample_sum(text: str, name: str, **labels: str) -> float:
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    what, prompts = (
+        "requests",
+        (
+            f"- prompts: {args.prefix_len} shared tokens + {args.input_len} of their own; "
+            f"{args.output_len} output tokens"
+        ),
+    )
+    if args.turns > 1:
+        what, prompts = (
+            "conversations",
+            (
+                f"- conversations of {args.turns} turns ({args.think_time_s:g} s think time): a "
+                f"system prompt of {args.prefix_len} tokens shared by all, user messages of "
+                f"{args.input_len} tokens, answers of {args.output_len}; each turn resends the "
+                "history with the previous answers"
+            ),
+        )
     lines = [
         "# Routing and prefix caching compared",
         "",
-        f"- {args.prefill}P{args.decode}D, model {args.model}; {args.num_requests} requests at "
-        f"{args.rate} req/s (at most {args.max_concurrency} in flight), seed {args.seed}",
-        f"- prompts: {args.prefix_len} shared tokens + {args.input_len} of their own; "
-        f"{args.output_len} output tokens",
+        f"- {args.prefill}P{args.decode}D, model {args.model}; {args.num_requests} {what} at "
+        f"{args.rate} per s (at most {args.max_concurrency} requests in flight), seed {args.seed}",
+        prompts,
         "",
         "| deployment | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | cache hit rate | "
         "KV bytes / request | cache-vs-queue disagreements | failed |",

@@ -136,6 +136,7 @@ class NodeProcess:
         cpus: frozenset[int] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
+        """url: where it serves; "" until its ready line names it (started on port 0)."""
         self.name, self.role, self.argv, self.url, self.log_path = name, role, argv, url, log_path
         self.cpus = cpus
         self.env = env or {}  # added to ours (secrets go here, never on the command line)
@@ -178,10 +179,19 @@ class NodeProcess:
                 log_file.write(line)
                 log_file.flush()
                 self.tail.append(line.decode(errors="replace").rstrip())
-                self.ready = self.ready or line.startswith(READY_PREFIX)
+                if not self.ready and line.startswith(READY_PREFIX):
+                    self._bound(line[len(READY_PREFIX) :].decode(errors="replace"))
         code = await self._proc.wait()
         if not self.stopping and self.ready:
             log.error("%s exited with %s; last lines:\n%s", self.name, code, self.log_tail())
+
+    def _bound(self, rest: str) -> None:
+        """The ready line names the URL it serves; a node started on port 0 keeps the port
+        it was given, so that a restart comes back at the same address."""
+        self.ready = True
+        if not self.url:
+            self.url = rest.split()[0]
+            self.argv = pin_port(self.argv, int(self.url.rsplit(":", 1)[1]))
 
     def log_tail(self) -> str:
         return "\n".join(f"    {line}" for line in self.tail)
@@ -196,7 +206,7 @@ class NodeProcess:
                     raise LaunchError(self._failure(f"exited with status {self._proc.returncode}"))
                 if time.monotonic() > deadline:
                     raise LaunchError(self._failure(f"was not ready after {timeout_s:g} s"))
-                if await _health_ok(session, self.url):
+                if self.url and await _health_ok(session, self.url):
                     break
                 await asyncio.sleep(0.25)
         self.ready = True
@@ -284,10 +294,17 @@ def _cpu_list(cpus: Iterable[int]) -> str:
 
 
 def free_port(host: str = NODE_HOST) -> int:
-    """A port free now (bound to 0, then released); a race with other processes remains."""
+    """A port free now (bound to 0, then released); a race with other processes remains, so
+    nodes are started on port 0 instead and name their port on their ready line."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def pin_port(argv: list[str], port: int) -> list[str]:
+    """`argv` with its `--port` value replaced by `port`."""
+    i = argv.index("--port")
+    return [*argv[: i + 1], str(port), *argv[i + 2 :]]
 
 
 def plan_nodes(cfg: UpConfig, log_dir: Path, cluster_token: str | None = None) -> list[NodeProcess]:
@@ -297,15 +314,13 @@ def plan_nodes(cfg: UpConfig, log_dir: Path, cluster_token: str | None = None) -
     for role, cpus in zip(cfg.roles(), cfg.node_cpus(), strict=True):
         index = counts[role] = counts.get(role, -1) + 1
         name = f"{role}-{index}"
-        port = free_port()
         argv = [sys.executable, "-m", "common.cli", "node", "--role", role]
-        argv += ["--host", NODE_HOST, "--port", str(port), "--model", cfg.model]
+        argv += ["--host", NODE_HOST, "--port", "0", "--model", cfg.model]
         argv += ["--threads", str(cfg.threads_per_node)]
         if cfg.kv_backend:
             argv += ["--kv-backend", cfg.kv_backend]
         argv += list(cfg.node_args)
-        url = f"http://{NODE_HOST}:{port}"
-        nodes.append(NodeProcess(name, role, argv, url, log_dir / f"{name}.log", cpus, env))
+        nodes.append(NodeProcess(name, role, argv, "", log_dir / f"{name}.log", cpus, env))
     return nodes
 
 

@@ -117,6 +117,8 @@ def test_compare_routing_report_has_every_deployment_and_the_cache_ratio() -> No
     assert "| cost | 100 | 200 | 30 | 80% | 3.00 MiB | 2 | 0 |" in text
     assert "| no-cache | 450 | 900 | 30 | - |" in text
     assert "without the prefix cache / with it: 4.50x" in text
+    chats = cr.build_parser().parse_args(["--num-requests", "5", "--turns", "3"])
+    assert "5 conversations" in cr.report(rows, chats) and "of 3 turns" in cr.report(rows, chats)
     metrics = 'x_total{policy="cost",cache_vs_queue="disagree"} 3.0\nx_total{policy="cost"} 5\n'
     assert cr.sample_sum(metrics, "x_total", cache_vs_queue="disagree") == 3.0
     assert cr.sample_sum(metrics, "x_total") == 8.0

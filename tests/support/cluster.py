@@ -18,20 +18,35 @@ from typing import Any
 
 from common.wire.auth import CLUSTER_TOKEN_ENV, bearer
 from tests.support import procs
-from tests.support.http import free_port, http_json
+from tests.support.http import http_json
 
 Topology = tuple[int, int, int]  # prefill, decode, colocated nodes
 
 
+NODE_READY = "pdserve node ready:"
+PROXY_READY = "pdserve proxy ready:"
+
+
 @dataclass
 class Server(procs.Proc):
-    """A node or proxy process and the URL it serves."""
+    """A node or proxy process and the URL it serves. Started on port 0, it names its URL on
+    its ready line (`ready_prefix`); `url` is "" until then (see `wait_serving`)."""
 
     url: str = ""
     auth: dict[str, str] = field(default_factory=dict)  # the cluster token's header, if any
+    ready_prefix: str = NODE_READY
 
     def state(self) -> dict[str, Any]:
         return http_json(f"{self.url}/state", timeout=5.0, headers=self.auth)
+
+    def wait_serving(self, timeout: float) -> None:
+        """Until its ready line names its URL and /health answers 200. The port it was given
+        is pinned in its command line, so that a restart comes back at the same URL."""
+        if not self.url:
+            self.url = procs.wait_announced(self, self.ready_prefix, timeout)
+            i = self.argv.index("--port")
+            self.argv[i + 1] = self.url.rsplit(":", 1)[1]
+        procs.wait_healthy(self, self.url, timeout)
 
 
 class Cluster:
@@ -60,41 +75,42 @@ class Cluster:
     def close(self) -> None:
         procs.stop_all(self.procs)
 
-    def _spawn(self, name: str, argv: list[str], url: str, wait: bool = True) -> Server:
+    def _spawn(self, name: str, argv: list[str], ready: str, wait: bool = True) -> Server:
         env = procs.child_env(**{CLUSTER_TOKEN_ENV: self.token}) if self.token else None
         log = self._logdir / f"{name}.log"
-        proc = procs.spawn(name, argv, log, env=env, cls=Server, url=url, auth=self.auth)
+        proc = procs.spawn(name, argv, log, env=env, cls=Server, ready_prefix=ready, auth=self.auth)
         self.procs.append(proc)
         if wait:
-            procs.wait_healthy(proc, url, 90.0)
+            proc.wait_serving(90.0)
         return proc
 
     def wait_all(self, timeout: float = 120.0) -> None:
         for proc in self.procs:
-            procs.wait_healthy(proc, proc.url, timeout)
+            proc.wait_serving(timeout)
 
     def node(
         self,
         role: str,
         name: str | None = None,
-        port: int | None = None,
+        port: int = 0,
         wait: bool = True,
         **extra: Any,
     ) -> Server:
-        port = port or free_port()
+        """A node on `port` (0: the port it binds, named on its ready line); with `wait`,
+        once it serves (else call `wait_all` before using its `url`)."""
         argv = procs.module("common.cli", "node", "--role", role, "--port", str(port))
         argv += ["--model", str(self.model_dir), "--kv-backend", self.kv_backend]
         for key, value in {**self.engine, **extra}.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
         name = name or f"{role}-{len(self.procs)}"
-        return self._spawn(name, argv, f"http://127.0.0.1:{port}", wait)
+        return self._spawn(name, argv, NODE_READY, wait)
 
     def restart(self, proc: Server) -> Server:
         """Start `proc`'s command again (same port, same URL) once it has exited."""
         proc.stop()
         new = procs.respawn(proc)
         self.procs[self.procs.index(proc)] = new
-        procs.wait_healthy(new, new.url, 90.0)
+        new.wait_serving(90.0)
         return new
 
     def start_proxy(
@@ -104,8 +120,7 @@ class Cluster:
         colocated: list[Server] = (),
         **extra: Any,
     ) -> Server:
-        port = free_port()
-        argv = procs.module("common.cli", "proxy", "--port", str(port))
+        argv = procs.module("common.cli", "proxy", "--port", "0")
         argv += ["--model", str(self.model_dir)]
         for flag, nodes in (
             ("--prefill", prefill),
@@ -117,7 +132,7 @@ class Cluster:
         for key, value in extra.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
         name = "proxy" if not self.proxies else f"proxy-{len(self.proxies)}"
-        self.proxy = self._spawn(name, argv, f"http://127.0.0.1:{port}")
+        self.proxy = self._spawn(name, argv, PROXY_READY)
         self.proxies.append(self.proxy)
         return self.proxy
 
@@ -180,20 +195,20 @@ class Service:
     block ends."""
 
     def __init__(self, model_dir: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""  # named on its ready line: it binds port 0
         self._logdir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self.log_path = self._logdir / "up.log"
         # `pdserve up` guards internal endpoints with a cluster token; the test knows it.
         self.token = secrets.token_urlsafe(24)
         self.auth = bearer(self.token)
-        argv = procs.module("common.cli", "up", "--port", str(self.port))
+        argv = procs.module("common.cli", "up", "--port", "0")
         argv += ["--model", str(model_dir), "--log-dir", str(self._logdir), *args]
         env = procs.child_env(**{CLUSTER_TOKEN_ENV: self.token})
         self.proc = procs.spawn("pdserve-up", argv, self.log_path, env=env)
 
     def __enter__(self) -> Service:
         try:
+            self.url = procs.wait_announced(self.proc, PROXY_READY, 180.0)
             procs.wait_healthy(self.proc, self.url, 180.0)
         except BaseException:
             self.stop()

@@ -1,17 +1,10 @@
-"""Blocking HTTP helpers for tests: a free loopback port, JSON over urllib."""
+"""Blocking HTTP helpers for tests: JSON over urllib."""
 
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 from typing import Any
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_json(

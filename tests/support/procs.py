@@ -193,6 +193,26 @@ def wait_ready(
     raise TimeoutError(f"{proc.name} not {what} after {timeout:g} s:\n{proc.log_tail()}")
 
 
+def wait_announced(proc: Proc, prefix: str, timeout: float) -> str:
+    """The first word after `prefix` on the first log line that starts with it (a server
+    started on port 0 names its URL on its ready line), waiting for it as `wait_ready`."""
+    found: list[str] = []
+
+    def announced() -> bool:
+        try:
+            text = proc.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        for line in text.splitlines():
+            if line.startswith(prefix) and line[len(prefix) :].split():
+                found.append(line[len(prefix) :].split()[0])
+                return True
+        return False
+
+    wait_ready(proc, announced, timeout, what=f"announced ({prefix!r})")
+    return found[0]
+
+
 def wait_healthy(proc: Proc, url: str, timeout: float) -> None:
     """Wait until `url`/health answers 200 (see wait_ready)."""
 

@@ -46,6 +46,24 @@ def test_a_node_is_ready_on_its_ready_line_and_stops_on_sigterm(tmp_path: Path) 
 
 
 @pytest.mark.e2e
+def test_a_node_started_on_port_0_is_found_at_the_port_its_ready_line_names(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        argv = [sys.executable, "-c", f"import time; {READY}; time.sleep(60)", "--port", "0"]
+        node = NodeProcess("n", "prefill", argv, "", tmp_path / "n.log")
+        await node.start()
+        try:
+            await node.wait_ready(10.0)
+        finally:
+            await node.stop(5.0)
+        assert node.url == "http://127.0.0.1:1"
+        assert node.argv[-2:] == ["--port", "1"]  # a restart comes back at the same address
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+@pytest.mark.e2e
 def test_a_node_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
     ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
     code = f"{ignore}; {READY}; time.sleep(60)"
@@ -101,7 +119,8 @@ def test_node_command_lines(tmp_path: Path) -> None:
     cfg = UpConfig(model="M", prefill=2, kv_backend="zmq", node_args=tuple(engine_flags(args)))
     nodes = plan_nodes(cfg, tmp_path)
     assert [n.name for n in nodes] == ["prefill-0", "prefill-1", "decode-0"]
-    assert len({n.url for n in nodes}) == 3
+    # Each node binds port 0 and names its port on its ready line (no pick-then-release race).
+    assert all(n.url == "" and n.argv[n.argv.index("--port") + 1] == "0" for n in nodes)
     argv = nodes[2].argv
     assert argv[1:6] == ["-m", "common.cli", "node", "--role", "decode"]
     for flag, value in (("--model", "M"), ("--threads", "1"), ("--kv-backend", "zmq")):
