@@ -69,7 +69,9 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
 
     client = NodeClient(settings.timeouts, on_cancel, settings.cluster_token)
     roles = {Role.BOTH} if settings.colocated_mode else {Role.PREFILL, Role.DECODE}
-    registry = NodeRegistry(client, RegistryConfig(settings.poll_interval_s, frozenset(roles)))
+    registry = NodeRegistry(
+        client, RegistryConfig(settings.poll_interval_s, frozenset(roles), settings.silent_after_s)
+    )
     registry.index = KVIndex(client, settings.cluster_token)
     registry.router = Router(
         registry.candidates, Policy(settings.routing), registry.index, RoutingMetrics(metrics)
@@ -109,7 +111,7 @@ def _backend(
 ) -> tuple[InterStageQueue | None, TokenBackend]:
     config = DisaggConfig(lease_s=settings.lease_s, migrate_limit=settings.migrate_limit)
     if settings.colocated_mode:
-        return None, ColocatedBackend(registry, client, config, traces)
+        return None, ColocatedBackend(registry, client, config, traces, DisaggMetrics(metrics))
     queue_config = InterStageConfig(
         capacity=settings.interstage_capacity,
         lease_s=settings.lease_s,

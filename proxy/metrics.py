@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from proxy.http.backend import LOSS_CAUSES
 from proxy.http.errors import ApiError
 from proxy.http.hooks import ProxyHooks
 
@@ -121,7 +122,7 @@ class InterStageMetrics:
         self.exits = Counter(
             "pdserve_interstage_exits",
             "Requests leaving the inter-stage queue, by outcome "
-            "(dispatched, cancelled, failed, expired).",
+            "(dispatched, cancelled, failed, expired, node_lost: its prefill node was lost).",
             ["outcome"],
             registry=registry,
         )
@@ -144,8 +145,16 @@ class DisaggMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.migrations = Counter(
             "pdserve_proxy_migrations",
-            "Started requests continued on other nodes after a node failure (re-prefill).",
-            ["outcome"],
+            "Started requests continued on other nodes after a node failure (re-prefill), by "
+            "outcome and cause (broken: the stream or call broke; stalled: the stream went "
+            "silent; node_down: the node was found unreachable)",
+            ["outcome", "cause"],
+            registry=registry,
+        )
+        self.stalls = Counter(
+            "pdserve_proxy_stalls",
+            "Token streams that went silent for the stall timeout, by node role",
+            ["role"],
             registry=registry,
         )
         self.retries = Counter(
@@ -155,7 +164,10 @@ class DisaggMetrics:
             registry=registry,
         )
         for outcome in ("started", "no_decode_node"):
-            self.migrations.labels(outcome)
+            for cause in LOSS_CAUSES:
+                self.migrations.labels(outcome, cause)
+        for role in ("decode", "both"):
+            self.stalls.labels(role)
         self.retries.labels("prefill")
 
 

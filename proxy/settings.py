@@ -34,6 +34,7 @@ class ProxySettings:
     interstage_capacity: int = 256
     interstage_max_wait_s: float = 300.0
     poll_interval_s: float = 0.5
+    silent_after_s: float | None = None  # no good poll this long: no new work (None: default)
     timeouts: NodeTimeouts = field(default_factory=NodeTimeouts)
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout_s: float = 10.0

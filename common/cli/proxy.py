@@ -27,6 +27,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         prefill_s=args.prefill_timeout_s,
         first_byte_s=args.first_byte_timeout_s,
         read_line_s=args.stream_timeout_s,
+        stall_s=args.stall_timeout_s,
     )
     return ProxySettings(
         model=model_dir(args.model),
@@ -47,6 +48,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         interstage_capacity=args.interstage_capacity,
         interstage_max_wait_s=args.interstage_max_wait_s,
         poll_interval_s=args.poll_interval_s,
+        silent_after_s=args.silent_after_s,
         timeouts=timeouts,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout_s,

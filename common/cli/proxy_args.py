@@ -44,6 +44,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
         help="times a stream may be re-prefilled onto another decode node after a node failure",
     )
     add_routing_arg(q)
+    add_liveness_args(q)
     q.add_argument("--interstage-capacity", type=int, default=256)
     p.add_argument("--trace-capacity", type=int, default=2048, help="recent request traces kept")
     q.add_argument("--interstage-max-wait-s", type=float, default=300.0)
@@ -90,6 +91,25 @@ def add_proxy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of node pools")
     add_proxy_args(p)
     p.set_defaults(func=lazy("common.cli.proxy", "cmd_proxy"))
+
+
+def add_liveness_args(g: argparse._ActionsContainer) -> None:
+    """How soon a hung node's streams move and it stops getting work (proxy and up)."""
+    g.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=NodeTimeouts.stall_s,
+        help="a token stream silent this long after its first token (at least 4x the "
+        "node's slowest recent step) is stalled: continued on another node (0: off): "
+        "%(default)s",
+    )
+    g.add_argument(
+        "--silent-after-s",
+        type=float,
+        default=None,
+        help="a node with no good health/state poll for this long gets no new work while "
+        "another answers (default: max(2, 4 poll intervals))",
+    )
 
 
 def add_routing_arg(g: argparse._ActionsContainer) -> None:

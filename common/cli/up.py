@@ -48,6 +48,7 @@ from common.cli.models import model_dir
 from common.cli.up_args import engine_flags
 from common.wire.auth import API_KEY_ENV, CLUSTER_TOKEN_ENV, bearer, read_secret
 from proxy.main import RunningProxy, start_proxy
+from proxy.pool.client import NodeTimeouts
 from proxy.settings import ProxySettings
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class UpConfig:
     lease_s: float = 30.0
     interstage_capacity: int = 256
     routing: str = "cost"
+    stall_timeout_s: float = NodeTimeouts.stall_s
+    silent_after_s: float | None = None
     demo_prompt: str | None = None  # stream one chat completion through the proxy at start
     max_restarts: int = 5  # per node; a node that exits is restarted after a backoff
     # The secret shared by the proxy and the nodes; None: a new one for this run, written to
@@ -343,6 +346,8 @@ async def start_service(
         lease_s=cfg.lease_s,
         interstage_capacity=cfg.interstage_capacity,
         routing=cfg.routing,
+        silent_after_s=cfg.silent_after_s,
+        timeouts=NodeTimeouts(stall_s=cfg.stall_timeout_s),
         cluster_token=cluster_token,
         api_key=cfg.api_key,
     )
@@ -493,5 +498,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         lease_s=args.lease_s,
         interstage_capacity=args.interstage_capacity,
         routing=args.routing,
+        stall_timeout_s=args.stall_timeout_s,
+        silent_after_s=args.silent_after_s,
     )
     return asyncio.run(up(cfg))

@@ -102,6 +102,7 @@ class LLMEngine:
         self._snapshot: dict[str, object] = {}
         self.integrity_violations = 0  # found by check_integrity_when_idle
         self.prefill_tokens_per_s: float | None = None  # measured (see _measure)
+        self._step_times: deque[float] = deque(maxlen=64)  # the last steps' forward seconds
         self._publish()
 
     # -- commands (any thread) -------------------------------------------------
@@ -314,7 +315,9 @@ class LLMEngine:
         if len(batch):
             started = time.perf_counter()
             sampled = self.runner.run(batch)
-            self._measure(batch.num_tokens - batch.num_decode, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._step_times.append(seconds)
+            self._measure(batch.num_tokens - batch.num_decode, seconds)
             outputs += self.scheduler.postprocess(batch, sampled)
         for out in outputs:
             if out.kind is OutputKind.HELD:
@@ -429,6 +432,9 @@ class LLMEngine:
             "queued_prefill_tokens": sum(s.num_uncomputed for s in self.scheduler.waiting)
             + sum(s.num_uncomputed for s in self.scheduler.running if s.num_uncomputed > 1),
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            # The slowest of the last steps: a proxy waits well beyond it before it calls a
+            # silent stream stalled.
+            "step_time_max_s": max(self._step_times, default=None),
             "preemptions": self.scheduler.num_preemptions,
             "integrity_violations": self.integrity_violations,
         }

@@ -73,15 +73,25 @@ class BackendError(ApiError):
         return cls(502, message, type=SERVER_ERROR, code="backend_failure")
 
 
+LOSS_CAUSES = ("broken", "stalled", "node_down")
+
+
 class NodeLost(BackendError):
     """A node serving a started request failed it in a way another node may not: the node
     died or hung (`node_down`), or the prompt KV could not reach the decode node. The proxy
-    may continue the request elsewhere by re-prefilling the prompt plus the tokens so far."""
+    may continue the request elsewhere by re-prefilling the prompt plus the tokens so far.
 
-    def __init__(self, url: str, message: str, node_down: bool) -> None:
+    `cause` (one of LOSS_CAUSES; metrics count migrations by it): `broken` (the stream or
+    call broke, or the node failed the request), `stalled` (the stream went silent for the
+    stall timeout), `node_down` (the registry found the node unreachable)."""
+
+    def __init__(self, url: str, message: str, node_down: bool, cause: str = "broken") -> None:
         super().__init__(502, message, type=SERVER_ERROR, code="backend_failure")
+        if cause not in LOSS_CAUSES:
+            raise ValueError(f"unknown cause {cause!r}")
         self.url = url
         self.node_down = node_down
+        self.cause = cause
 
 
 TokenStream = AsyncGenerator[TokenChunk, None]

@@ -11,6 +11,7 @@ mismatch), 502 node unreachable, 404 unknown node.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aiohttp import web
@@ -47,6 +48,8 @@ class AdminRoutes:
     def _describe(self, node: Node) -> dict[str, Any]:
         """The node's row, with what the proxy knows of its prefix cache (KV events)."""
         row = node.describe()
+        # Silent: no good poll for a while; it gets no new work while another node answers.
+        row["silent"] = node.silent(time.monotonic(), self.registry.config.silence_s)
         index = self.registry.index
         cache = index.caches.get(node.url) if index is not None else None
         row["prefix_cache"] = None

@@ -9,8 +9,19 @@ Error mapping (what a caller may do next):
   502 (timed out, died mid-call, sent garbage): the node may hold state for the request,
   so the caller cancels it there.
 
-`cancel_soon` sends a `Cancel` from a task this client owns (never awaited by the caller);
-`close()` gives pending cancels a short grace before closing the session.
+`cancel_soon` sends a `Cancel` from a task this client owns (never awaited by the caller),
+and sends it again with backoff while the node does not answer (a hung node gets it when it
+answers again, within `cancel_retry_s`); `close()` gives pending cancels a short grace
+before closing the session.
+
+A hung node breaks no connection, so two things end the waits on it:
+- a token stream silent for `stall_s` after its first line is `NodeLost` "stalled" (the
+  first line may wait on a prefill queue or a KV transfer; a silent node shows up as
+  unreachable then);
+- `abort(url, reason)` (the registry found the node unreachable) ends at once, as `NodeLost`
+  "node_down", every open stream from that node and every decode stream still waiting for
+  the KV that node was sending, and as `NodeUnreachable` every prefill call or stream
+  opening in flight to it.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -50,6 +61,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_BODY = 64 * 1024
 KV_ERROR_CODES = frozenset({"kv_failed", "kv_timeout", "kv_handshake"})
 R = TypeVar("R", bound=Message)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,12 +73,16 @@ class NodeTimeouts:
     prefill_s: float = 120.0  # a whole prefill call: the node's queue plus compute
     first_byte_s: float = 60.0  # a token stream's headers (decode: reservation, maybe KV wait)
     read_line_s: float = 60.0  # between two lines of a token stream (the KV transfer included)
+    stall_s: float = 5.0  # between two lines after the first: longer is a stall (0: off)
     cancel_grace_s: float = 2.0  # close(): how long pending cancels may still run
+    cancel_retry_s: float = 300.0  # a Cancel is sent again while the node does not answer
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value <= 0:
+            if value <= 0 and name != "stall_s":
                 raise ValueError(f"NodeTimeouts.{name} must be positive, got {value}")
+        if self.stall_s < 0:
+            raise ValueError(f"NodeTimeouts.stall_s must be >= 0, got {self.stall_s}")
 
 
 class NodeUnreachable(BackendError):
@@ -98,16 +114,29 @@ class NodeStream:
     """An accepted token stream (decode or generate) of one request; one consumer owns it.
 
     `close()` drops the connection at once, without network I/O: the node takes the
-    disconnect as a cancel. Idempotent.
+    disconnect as a cancel. Idempotent. `abort(error)` closes it so that the reader gets
+    `error`.
     """
 
     def __init__(
-        self, url: str, request_id: str, resp: aiohttp.ClientResponse, read_timeout_s: float
+        self,
+        url: str,
+        request_id: str,
+        resp: aiohttp.ClientResponse,
+        read_timeout_s: float,
+        stall_s: float = 0.0,
+        kv_from: str | None = None,
+        on_close: Callable[[NodeStream], None] | None = None,
     ) -> None:
         self.url = url
         self.request_id = request_id
         self._resp = resp
         self._read_timeout_s = read_timeout_s
+        self.stall_s = stall_s  # 0: no stall detection
+        self.kv_from = kv_from  # the prefill node sending its KV, until the first line
+        self.received = False  # a line came
+        self._on_close = on_close
+        self._aborted: NodeLost | None = None
         self.events: list[tuple[str, float]] = []  # trace events the node sent, until taken
 
     async def next_chunk(self) -> TokenChunk:
@@ -124,18 +153,43 @@ class NodeStream:
 
     def close(self) -> None:
         self._resp.close()
+        if self._on_close is not None:
+            self._on_close(self)
+            self._on_close = None
+
+    def abort(self, error: NodeLost) -> None:
+        """End the stream: its reader gets `error` (now, or at its next read)."""
+        if self._aborted is None:
+            self._aborted = error
+        self._resp.close()
 
     async def _readline(self) -> bytes:
+        if self._aborted is not None:
+            raise self._aborted
+        timeout = self._read_timeout_s
+        stalled = self.received and 0 < self.stall_s < timeout
+        if stalled:
+            timeout = self.stall_s
         try:
-            return await asyncio.wait_for(self._resp.content.readline(), self._read_timeout_s)
+            line = await asyncio.wait_for(self._resp.content.readline(), timeout)
         except asyncio.TimeoutError:
             raise NodeLost(
-                self.url, f"node {self.url} sent nothing for {self._read_timeout_s:g} s", True
+                self.url,
+                f"node {self.url} sent nothing for {timeout:g} s",
+                True,
+                cause="stalled" if stalled else "broken",
             ) from None
         except aiohttp.ClientError as e:
+            if self._aborted is not None:
+                raise self._aborted from None
             raise NodeLost(self.url, f"node {self.url} stream broke: {e!r}", True) from None
         except ValueError as e:  # an over-long line
             raise BackendError.failed(f"node {self.url} sent a bad stream: {e!r}") from None
+        if self._aborted is not None:
+            raise self._aborted
+        if line:
+            self.received, self.kv_from = True, None
+        return line
 
     def _chunk(self, line: bytes) -> TokenChunk:
         try:
@@ -167,6 +221,8 @@ class NodeClient:
         self._headers = bearer(cluster_token) if cluster_token is not None else {}
         self._session: aiohttp.ClientSession | None = None
         self._cancels: set[asyncio.Task[None]] = set()
+        self._streams: set[NodeStream] = set()  # open token streams (for abort)
+        self._calls: dict[str, set[asyncio.Future[None]]] = {}  # tripwires of guarded calls
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0)
@@ -225,9 +281,10 @@ class NodeClient:
         return data
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillResult:
-        return await self._call(
+        call = self._call(
             url, PREFILL_PATH, req, PrefillResult, self._total(self.timeouts.prefill_s)
         )
+        return await self._guarded(url, call)
 
     async def extend(self, url: str, req: LeaseExtend) -> LeaseExtendResult:
         return await self._call(url, EXTEND_PATH, req, LeaseExtendResult, self._control())
@@ -237,17 +294,42 @@ class NodeClient:
         return await self._call(url, CANCEL_PATH, msg, CancelResult, self._control())
 
     def cancel_soon(self, url: str, request_id: str) -> None:
-        """Send a Cancel from a task this client owns; failures are logged, not raised."""
+        """Send a Cancel from a task this client owns, again with backoff while the node does
+        not answer (up to `cancel_retry_s`); failures are logged, not raised."""
         task = asyncio.get_running_loop().create_task(self._cancel_quietly(url, request_id))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
+    def abort(self, url: str, reason: str) -> int:
+        """The node at `url` is unreachable: end what waits on it (see the module doc).
+        Returns how many streams and calls were ended."""
+        lost = [s for s in self._streams if s.url == url or s.kv_from == url]
+        for stream in lost:
+            what = "" if stream.url == url else f" (its KV was coming from {url})"
+            stream.abort(NodeLost(url, f"node {url} is down{what}: {reason}", True, "node_down"))
+        calls = self._calls.pop(url, set())
+        for trip in calls:
+            if not trip.done():
+                trip.set_exception(NodeUnreachable(url, f"down: {reason}", maybe_received=True))
+        return len(lost) + len(calls)
+
     # -- token streams -----------------------------------------------------------------------
 
-    async def open_stream(self, url: str, path: str, msg: Message, request_id: str) -> NodeStream:
-        """POST `msg` and return the accepted NDJSON stream (after the 200 headers)."""
+    async def open_stream(
+        self,
+        url: str,
+        path: str,
+        msg: Message,
+        request_id: str,
+        stall_s: float | None = None,
+        kv_from: str | None = None,
+    ) -> NodeStream:
+        """POST `msg` and return the accepted NDJSON stream (after the 200 headers). The
+        stream is stalled after `stall_s` (default: timeouts.stall_s) without a line, after
+        its first; `kv_from`: the prefill node whose loss also ends it before its first."""
         try:
-            resp = await asyncio.wait_for(self._post(url + path, msg), self.timeouts.first_byte_s)
+            post = asyncio.wait_for(self._post(url + path, msg), self.timeouts.first_byte_s)
+            resp = await self._guarded(url, post)
         except aiohttp.ConnectionTimeoutError:  # (a TimeoutError too): never reached the node
             raise self._no_connection(url) from None
         except asyncio.TimeoutError:
@@ -261,7 +343,12 @@ class NodeClient:
                 raise await self._error(url, resp)
             finally:
                 resp.close()
-        return NodeStream(url, request_id, resp, self.timeouts.read_line_s)
+        stall = self.timeouts.stall_s if stall_s is None else stall_s
+        stream = NodeStream(
+            url, request_id, resp, self.timeouts.read_line_s, stall, kv_from, self._streams.discard
+        )
+        self._streams.add(stream)
+        return stream
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -269,6 +356,30 @@ class NodeClient:
         """No connection within the connect timeout (a partition, a node gone silent): the
         request was never sent, so another node may take it."""
         return NodeUnreachable(url, f"no connection within {self.timeouts.connect_s:g} s")
+
+    async def _guarded(self, url: str, call: Awaitable[T]) -> T:
+        """`call`, unless `abort(url)` ends it first (NodeUnreachable)."""
+        task = asyncio.ensure_future(call)
+        trip: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._calls.setdefault(url, set()).add(trip)
+        try:
+            waiters: set[asyncio.Future[Any]] = {task, trip}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if task.done() or not trip.done():
+                return task.result()
+            trip.result()  # raises the abort's NodeUnreachable
+            raise AssertionError("unreachable")
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(_retrieve)
+            calls = self._calls.get(url)
+            if calls is not None:
+                calls.discard(trip)
+                if not calls:
+                    del self._calls[url]
+            if not trip.done():
+                trip.cancel()
 
     def _control(self) -> aiohttp.ClientTimeout:
         return self._total(self.timeouts.control_s)
@@ -312,13 +423,28 @@ class NodeClient:
         return _status_error(url, resp, message, param, code)
 
     async def _cancel_quietly(self, url: str, request_id: str) -> None:
-        try:
-            result = await self.cancel(url, request_id)
+        deadline = asyncio.get_running_loop().time() + self.timeouts.cancel_retry_s
+        backoff = 0.5
+        while True:
+            try:
+                result = await self.cancel(url, request_id)
+            except BackendError as e:
+                # Unreachable or no answer: it may be hung or restarting; anything else (a
+                # refusal) will not change.
+                again = e.status >= 500 and asyncio.get_running_loop().time() + backoff < deadline
+                log.info(
+                    "cancel %s on %s failed%s: %s",
+                    request_id, url, f"; again in {backoff:g} s" if again else "", e.message,
+                )  # fmt: skip
+                if not again:
+                    return
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 15.0)
+                continue
             log.debug("cancel %s on %s: stage=%s", request_id, url, result.stage)
             if self.on_cancel is not None:
                 self.on_cancel(url, result)
-        except BackendError as e:
-            log.info("cancel %s on %s failed: %s", request_id, url, e.message)
+            return
 
 
 def _error_fields(raw: bytes, status: int) -> tuple[str, str | None, str | None]:
@@ -358,6 +484,12 @@ def _transport_error(url: str, path: str, e: aiohttp.ClientError) -> BackendErro
     if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):  # no answer
         return NodeUnreachable(url, _describe(e), maybe_received=True)
     return BackendError.failed(f"node {url} broke off {path}: {_describe(e)}")
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a dropped task's outcome seen (no 'exception was never retrieved' warning)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _describe(e: BaseException) -> str:

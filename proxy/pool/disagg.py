@@ -12,6 +12,13 @@ consuming task cancelled) cancels it where it is, from tasks the `NodeClient` ow
 
 The first token is yielded as soon as the prefill node returns it; the request is queued for
 decode before that yield, so the client's first write does not delay the decode.
+
+A started request whose node is lost (`NodeLost`: its stream broke, went silent for the
+stall timeout, or the registry found the node unreachable) is continued elsewhere by
+re-prefilling the prompt plus the tokens so far (`migrate_limit` times); the client sees one
+stream. A stalled stream's node is told to cancel (again until it answers, see NodeClient),
+and a stall on a node that also stopped answering polls marks it down, which moves the rest
+of its work at once.
 """
 
 from __future__ import annotations
@@ -79,20 +86,24 @@ class DisaggBackend:
                         yield chunk
                 return
             except NodeLost as e:
+                if e.cause == "stalled":
+                    self._stalled(req, e)
                 if (
                     migration == self.config.migrate_limit
                     or not emitted
                     or len(emitted) >= req.sampling.max_tokens
                 ):
                     raise
-                if e.node_down:
+                if e.node_down and e.cause == "broken":
                     self.registry.report_failure(e.url, e.message)
                 if not self.registry.healthy(Role.DECODE):
-                    self._count("migrations", "no_decode_node")
+                    self._migrated("no_decode_node", e.cause)
                     raise
-                self._count("migrations", "started")
+                self._migrated("started", e.cause)
                 self.traces.record(
-                    req.request_id, "migrating", detail=f"after {len(emitted)} tokens: {e.message}"
+                    req.request_id,
+                    "migrating",
+                    detail=f"{e.cause} after {len(emitted)} tokens: {e.message}",
                 )
                 log.warning(
                     "%s: %s; continuing after %d tokens by re-prefilling (migration %d of %d)",
@@ -129,6 +140,13 @@ class DisaggBackend:
     def _count(self, name: str, label: str) -> None:
         if self.metrics is not None:
             getattr(self.metrics, name).labels(label).inc()
+
+    def _migrated(self, outcome: str, cause: str) -> None:
+        if self.metrics is not None:
+            self.metrics.migrations.labels(outcome, cause).inc()
+
+    def _stalled(self, req: GenerationRequest, e: NodeLost) -> None:
+        _stalled(self.registry, self.traces, self.metrics, req.request_id, e, "decode")
 
     def _admit(self) -> None:
         """Refuse, before any prefill, what could only wait: no decode node is up, or the
@@ -210,17 +228,26 @@ class ColocatedBackend:
         client: NodeClient,
         config: DisaggConfig | None = None,
         traces: TraceStore | None = None,
+        metrics: DisaggMetrics | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
         self.config = config or DisaggConfig()
         self.traces = traces or TraceStore(1)
+        self.metrics = metrics
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
+        """The whole request on one node; a stall ends it with an error event (a colocated
+        request is not migrated)."""
         stream = await self._open(req)
-        async with aclosing(relay(stream, self.client, traces=self.traces)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        try:
+            async with aclosing(relay(stream, self.client, traces=self.traces)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except NodeLost as e:
+            if e.cause == "stalled":
+                _stalled(self.registry, self.traces, self.metrics, req.request_id, e, "both")
+            raise
 
     async def _open(self, req: GenerationRequest) -> NodeStream:
         msg = GenerateRequest(
@@ -233,7 +260,10 @@ class ColocatedBackend:
             node.sent(len(req.prompt_token_ids))
             self.traces.record(req.request_id, "routed", detail=decision.detail())
             try:
-                return await self.client.open_stream(node.url, GENERATE_PATH, msg, req.request_id)
+                stall_s = self.registry.stall_timeout(node.url)
+                return await self.client.open_stream(
+                    node.url, GENERATE_PATH, msg, req.request_id, stall_s
+                )
             except NodeUnreachable as e:
                 _unreachable(self.registry, self.client, node, e, req.request_id)
                 tried.add(node.url)
@@ -243,6 +273,24 @@ class ColocatedBackend:
                 if not (isinstance(e, BackendError) and e.status < 500):
                     self.client.cancel_soon(node.url, req.request_id)
                 raise
+
+
+def _stalled(
+    registry: NodeRegistry,
+    traces: TraceStore,
+    metrics: DisaggMetrics | None,
+    request_id: str,
+    e: NodeLost,
+    role: str,
+) -> None:
+    """A stream went silent: count it, trace it, and let the registry decide whether its
+    node is hung (silent to polls as well), which moves the node's other work now."""
+    if metrics is not None:
+        metrics.stalls.labels(role).inc()
+    hung = registry.stalled(e.url, e.message)
+    detail = f"{e.message}; node {'silent to polls too: marked down' if hung else 'answers polls'}"
+    traces.record(request_id, "stalled", detail=detail)
+    log.warning("%s: stream stalled: %s", request_id, detail)
 
 
 def _unreachable(

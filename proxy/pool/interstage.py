@@ -32,6 +32,7 @@ from common.wire.node_messages import DecodeRequest, LeaseExtend
 from proxy.http.backend import BackendError, NodeLost
 from proxy.metrics import InterStageMetrics
 from proxy.pool.client import DECODE_PATH, DecodeFull, NodeClient, NodeStream, NodeUnreachable
+from proxy.pool.node_state import Node
 from proxy.pool.registry import NodeRegistry
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class InterStageQueue:
         self._work = asyncio.Event()
         self._capacity = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        registry.add_lost_listener(self._node_lost)
 
     # -- the waiters' side -------------------------------------------------------------------
 
@@ -246,7 +248,12 @@ class InterStageQueue:
                 return
             try:
                 stream = await self.client.open_stream(
-                    node.url, DECODE_PATH, entry.request, entry.request_id
+                    node.url,
+                    DECODE_PATH,
+                    entry.request,
+                    entry.request_id,
+                    stall_s=self.registry.stall_timeout(node.url),
+                    kv_from=entry.prefill_url,
                 )
             except DecodeFull:
                 self.metrics.decode_full.inc()
@@ -285,6 +292,20 @@ class InterStageQueue:
         if cancel_prefill:
             self.client.cancel_soon(entry.prefill_url, entry.request_id)
         self.notify_capacity()
+
+    def _node_lost(self, node: Node) -> None:
+        """A prefill node is unreachable: the KV its waiting entries hold there is lost to
+        them, so they fail now as NodeLost (their requests re-prefill elsewhere) instead of
+        waiting for a transfer that cannot start."""
+        for entry in list(self._entries.values()):
+            if entry.prefill_url == node.url and entry.state is EntryState.QUEUED:
+                error = NodeLost(
+                    node.url,
+                    f"prefill node {node.url} holding the request's KV is down",
+                    True,
+                    "node_down",
+                )
+                self._fail(entry, error, "node_lost")
 
     # -- housekeeping: leases and overdue entries --------------------------------------------
 
@@ -328,7 +349,8 @@ class InterStageQueue:
             self.metrics.lease_extensions.labels("error").inc()
             for entry in entries:
                 if entry.state is EntryState.QUEUED:
-                    self._fail(entry, NodeLost(url, f"lost the prefilled KV: {e.message}", True))
+                    message = f"lost the prefilled KV: {e.message}"
+                    self._fail(entry, NodeLost(url, message, True, "node_down"))
             return
         except BackendError as e:  # timed out or failed: the next tick tries again
             self.metrics.lease_extensions.labels("error").inc()

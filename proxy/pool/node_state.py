@@ -73,6 +73,7 @@ class NodeState(BaseModel):
     capacity: Capacity | None = None
     queued_prefill_tokens: int = 0
     prefill_tokens_per_s: float | None = None  # measured by the node
+    step_time_max_s: float | None = None  # its slowest recent engine step
     prefix_cache: PrefixCacheInfo | None = None
 
     @field_validator("model_fingerprint", mode="before")
@@ -123,6 +124,10 @@ class Node:
     @property
     def fingerprint(self) -> str | None:
         return self.state.model_fingerprint if self.state is not None else None
+
+    def silent(self, now: float, after_s: float) -> bool:
+        """No good poll for `after_s` (a node never heard from is not silent: it is PENDING)."""
+        return self.last_ok is not None and now - self.last_ok > after_s
 
     def transition(self, status: NodeStatus, error: str | None) -> None:
         if status is not self.status:  # staying put is allowed: a repeated poll result

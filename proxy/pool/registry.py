@@ -1,8 +1,16 @@
 """The proxy's view of its nodes: who they are, whether they are up, how loaded they are.
 
-Every node is polled (`GET /health` and `GET /state`) every `poll_interval_s`; a failed or
-503 poll marks it DOWN, the next good one marks it UP again, so a node restarted at the same
-URL rejoins by itself. All nodes of one proxy must serve the same model: the first node whose
+Every node is polled (`GET /health` and `GET /state`) every `poll_interval_s`, each node on
+its own (a hung node's poll delays no other's); a failed or 503 poll marks it DOWN, the next
+good one marks it UP again, so a node restarted at the same URL rejoins by itself.
+
+Hung is not dead. A node whose last good poll is older than `silent_after_s` is *silent*: it
+gets no new work while another node of its role answers (stale numbers are not trusted). A
+poll that fails outright (timed out, refused) marks the node DOWN and ends the work waiting
+on it (`NodeClient.abort`: its streams and calls, the decode streams waiting for its KV, and,
+through the lost-node listeners, inter-stage entries whose KV it holds), so that the proxy
+continues that work elsewhere at once. A 503 poll (draining) ends nothing: a draining node
+finishes what it has. All nodes of one proxy must serve the same model: the first node whose
 `/state` is read sets the pool's `model_fingerprint`, and a node with another one is REFUSED
 (at `register`, with an error; when found by the poller, it is kept out of rotation).
 
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -45,10 +54,19 @@ class RegistrationError(Exception):
 class RegistryConfig:
     poll_interval_s: float = 0.5
     roles: frozenset[Role] = frozenset({Role.PREFILL, Role.DECODE})  # roles this proxy routes to
+    silent_after_s: float | None = None  # None: max(2 s, 4 polls)
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be positive, got {self.poll_interval_s}")
+        if self.silent_after_s is not None and self.silent_after_s <= self.poll_interval_s:
+            raise ValueError("silent_after_s must be longer than poll_interval_s")
+
+    @property
+    def silence_s(self) -> float:
+        if self.silent_after_s is not None:
+            return self.silent_after_s
+        return max(2.0, 4 * self.poll_interval_s)
 
 
 class NodeRegistry:
@@ -61,7 +79,9 @@ class NodeRegistry:
         self._fingerprint_source: str | None = None
         self._nodes: dict[str, Node] = {}
         self._listeners: list[NodeListener] = []
+        self._lost_listeners: list[NodeListener] = []
         self._poller: asyncio.Task[None] | None = None
+        self._polls: dict[str, asyncio.Task[None]] = {}  # the poll in flight, by node
         self._picks = 0
         self.index: KVIndex | None = None  # the nodes' prefix caches (set by the proxy)
         self.router = Router(self.candidates, Policy.COST)
@@ -111,16 +131,28 @@ class NodeRegistry:
     def healthy(self, role: Role) -> list[Node]:
         return [n for n in self._nodes.values() if n.role is role and n.healthy]
 
+    def routable(self, role: Role) -> list[Node]:
+        """Healthy nodes of `role` that answered recently; the silent ones only if every
+        healthy node is silent (then the proxy itself is likely the one behind)."""
+        healthy = self.healthy(role)
+        now = time.monotonic()
+        heard = [n for n in healthy if not n.silent(now, self.config.silence_s)]
+        return heard or healthy
+
     def add_listener(self, listener: NodeListener) -> None:
         """`listener(node)` is called (on the loop) whenever a node becomes healthy."""
         self._listeners.append(listener)
+
+    def add_lost_listener(self, listener: NodeListener) -> None:
+        """`listener(node)` is called (on the loop) when a node is found unreachable."""
+        self._lost_listeners.append(listener)
 
     # -- routing -----------------------------------------------------------------------------
 
     def decode_candidates(self, prompt_token_ids: list[int] | None = None) -> list[Node]:
         """Healthy decode nodes, roomiest first (the first offer goes there): a free slot,
         then free blocks plus the blocks of the prompt the node has cached."""
-        nodes = self._rotated([n for n in self.healthy(Role.DECODE)])
+        nodes = self._rotated(self.routable(Role.DECODE))
 
         def room(n: Node) -> tuple[bool, int]:
             slot, free = n.decode_room()
@@ -148,10 +180,33 @@ class NodeRegistry:
         if node is not None and node.status is NodeStatus.UP:
             self._set(node, NodeStatus.DOWN, reason)
 
+    def stalled(self, url: str, reason: str) -> bool:
+        """A stream from `url` stalled. If the node is silent too, it is hung: DOWN, and
+        the rest of its work moves now. True if so."""
+        node = self._nodes.get(url)
+        now = time.monotonic()
+        if node is None or not node.silent(now, self.config.silence_s):
+            return False
+        peers = [n for n in self.healthy(node.role) if n is not node]
+        if peers and all(n.silent(now, self.config.silence_s) for n in peers):
+            return False  # every node is silent: more likely this proxy is the one behind
+        if node.status is NodeStatus.UP:
+            self._set(node, NodeStatus.DOWN, f"stalled: {reason}")
+        self._lost(node, f"stalled: {reason}")
+        return True
+
+    def stall_timeout(self, url: str) -> float:
+        """How long a stream from `url` may stay silent: the configured stall timeout, but
+        at least 4 times the slowest recent engine step the node reported."""
+        base = self.client.timeouts.stall_s
+        node = self._nodes.get(url)
+        step = node.state.step_time_max_s if node is not None and node.state else None
+        return max(base, 4 * step) if base > 0 and step else base
+
     def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Node]:
-        """Healthy nodes of `role` not in `exclude`, rotated (ties break round robin);
-        BackendError (503) if there are none."""
-        nodes = [n for n in self.healthy(role) if n.url not in exclude]
+        """Healthy nodes of `role` not in `exclude` (silent ones only if all are), rotated
+        (ties break round robin); BackendError (503) if there are none."""
+        nodes = [n for n in self.routable(role) if n.url not in exclude]
         if not nodes:
             raise BackendError.unavailable(f"no healthy {role.value} node", retry_after=1.0)
         return self._rotated(nodes)
@@ -170,19 +225,34 @@ class NodeRegistry:
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        tasks = [t for t in (self._poller, *self._polls.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-            self._poller = None
+                await task
+        self._poller = None
+        self._polls.clear()
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(self._poll(n) for n in list(self._nodes.values())))
 
     async def _poll_forever(self) -> None:
+        """Every interval, a poll of each node whose last poll has come back."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.config.poll_interval_s)
-            await self.poll_all()
+            for node in list(self._nodes.values()):
+                if node.url not in self._polls:
+                    task = loop.create_task(self._poll(node))
+                    self._polls[node.url] = task
+                    task.add_done_callback(functools.partial(self._polled, node.url))
+
+    def _polled(self, url: str, task: asyncio.Task[None]) -> None:
+        if self._polls.get(url) is task:
+            del self._polls[url]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("polling %s failed", url, exc_info=task.exception())
 
     async def _poll(self, node: Node) -> None:
         mark = node.sent_mark()
@@ -192,6 +262,8 @@ class NodeRegistry:
         except (NodeUnreachable, ValueError) as e:
             if self._nodes.get(node.url) is node:
                 self._set(node, NodeStatus.DOWN, str(e))
+                if isinstance(e, NodeUnreachable):
+                    self._lost(node, e.message)
             return
         if self._nodes.get(node.url) is not node:  # removed meanwhile
             return
@@ -236,6 +308,16 @@ class NodeRegistry:
             self._set(node, NodeStatus.UP, None)
         else:
             self._set(node, NodeStatus.DOWN, "GET /health answered 503")
+
+    def _lost(self, node: Node, reason: str) -> None:
+        """`node` is unreachable or hung: end what waits on it, so that it moves now."""
+        ended = self.client.abort(node.url, reason)
+        if ended:
+            log.warning(
+                "node %s lost (%s): ended %d streams and calls on it", node.url, reason, ended
+            )
+        for listener in self._lost_listeners:
+            listener(node)
 
     def _set(self, node: Node, status: NodeStatus, error: str | None) -> None:
         previous = node.status

@@ -81,6 +81,10 @@ class StubNode:
         self.max_streams: int | None = None  # decode_full while this many streams are open
         self.hold_streams = False  # streams wait for `release(request_id)` before tokens
         self.accept_delay = 0.0  # decode: seconds before answering (full or accepted)
+        self.step_time_max_s: float | None = None  # reported in /state
+        # hang(): like SIGSTOP, connections are accepted but nothing answers or streams
+        self._running = asyncio.Event()
+        self._running.set()
         # records
         self.calls: list[tuple[str, Any]] = []
         self.accepted: list[str] = []  # decode/generate requests streamed, in order
@@ -121,6 +125,13 @@ class StubNode:
             await self._runner.cleanup()
             self._runner = None
 
+    def hang(self) -> None:
+        """Stop answering anything (a stopped process: TCP still accepts) until `resume()`."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
     def release(self, request_id: str) -> None:
         self._gates.setdefault(request_id, asyncio.Event()).set()
 
@@ -130,9 +141,11 @@ class StubNode:
     # -- handlers ----------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        await self._running.wait()
         return web.json_response({"status": "ok", "role": self.role}, status=self.health_status)
 
     async def state(self, request: web.Request) -> web.Response:
+        await self._running.wait()
         return web.json_response(
             {
                 "role": self.role,
@@ -148,6 +161,7 @@ class StubNode:
                     "block_size": 16,
                 },
                 "queued_prefill_tokens": self.queued_prefill_tokens,
+                "step_time_max_s": self.step_time_max_s,
             }
         )
 
@@ -224,6 +238,7 @@ class StubNode:
                 await self._gates.setdefault(request_id, asyncio.Event()).wait()
             for i, token in enumerate(tokens):
                 await asyncio.sleep(self.token_delay)
+                await self._running.wait()
                 reason = "length" if i == len(tokens) - 1 else None
                 delta = TokenDelta(request_id=request_id, token_ids=[token], finish_reason=reason)
                 await resp.write(to_json(delta) + b"\n")
@@ -236,6 +251,7 @@ class StubNode:
         return resp
 
     async def _read(self, request: web.Request, cls: type[Any]) -> Any:
+        await self._running.wait()
         msg = from_json(await request.read(), cls)
         self.calls.append((request.path, msg))
         return msg
@@ -279,12 +295,15 @@ async def proxy_stack(
     prefill: tuple[StubNode, ...] = (),
     decode: tuple[StubNode, ...] = (),
     poll_interval_s: float = 0.05,
+    timeouts: NodeTimeouts = FAST,
+    silent_after_s: float | None = None,
     **queue_config: Any,
 ) -> AsyncIterator[Stack]:
     """Client, registry (nodes added as from flags) and inter-stage queue, started; always
     stopped."""
-    client = NodeClient(FAST)
-    registry = NodeRegistry(client, RegistryConfig(poll_interval_s=poll_interval_s))
+    client = NodeClient(timeouts)
+    config_r = RegistryConfig(poll_interval_s=poll_interval_s, silent_after_s=silent_after_s)
+    registry = NodeRegistry(client, config_r)
     for node in prefill:
         registry.add(node.url, "prefill")
     for node in decode:
