@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--prefix-len", type=int, default=768, help="shared prompt tokens")
     p.add_argument("--input-len", type=int, default=96, help="each prompt's own tokens")
+    p.add_argument(
+        "--num-prefixes", type=int, default=1,
+        help="distinct shared prefixes (tenants), picked with Zipf weights 1/k**--prefix-zipf",
+    )  # fmt: skip
+    p.add_argument("--prefix-zipf", type=float, default=0.0)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=40, help="with --turns: conversations")
     p.add_argument(
@@ -148,6 +153,8 @@ def _bench(dep: Deployment, args: argparse.Namespace, n: int, seed: int, out: Pa
             "--no-progress", "--request-timeout-s", "300", "--drain-timeout-s", "300"]  # fmt: skip
     if args.turns > 1:
         argv += ["--turns", str(args.turns), "--think-time-s", str(args.think_time_s)]
+    else:
+        argv += ["--num-prefixes", str(args.num_prefixes), "--prefix-zipf", str(args.prefix_zipf)]
     if out is not None:
         argv += ["--json", str(out)]
     if bench_serve(argv) != 0:
@@ -202,12 +209,15 @@ def sample_sum(text: str, name: str, **labels: str) -> float:
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    shared = f"{args.prefix_len} shared tokens"
+    if args.num_prefixes > 1:
+        shared = (
+            f"one of {args.num_prefixes} shared prefixes of {args.prefix_len} tokens (the k-th "
+            f"picked with weight 1/k^{args.prefix_zipf:g})"
+        )
     what, prompts = (
         "requests",
-        (
-            f"- prompts: {args.prefix_len} shared tokens + {args.input_len} of their own; "
-            f"{args.output_len} output tokens"
-        ),
+        f"- prompts: {shared} + {args.input_len} of their own; {args.output_len} output tokens",
     )
     if args.turns > 1:
         what, prompts = (

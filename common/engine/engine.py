@@ -427,10 +427,7 @@ class LLMEngine:
                 "queried_tokens": self.scheduler.prefix_queries,
                 "hit_tokens": self.scheduler.prefix_hits,
             },
-            # Prompt tokens still to compute: waiting requests', and the rest of those
-            # mid-prefill (chunked). What a router divides by the prefill rate.
-            "queued_prefill_tokens": sum(s.num_uncomputed for s in self.scheduler.waiting)
-            + sum(s.num_uncomputed for s in self.scheduler.running if s.num_uncomputed > 1),
+            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             # The slowest of the last steps: a proxy waits well beyond it before it calls a
             # silent stream stalled.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -95,6 +95,9 @@ class Scheduler:
         # Admission keeps a few blocks back so running sequences can grow.
         self.watermark = max(1, allocator.num_blocks // 100)
         self.num_preemptions = 0
+        # Full-block hashes of the waiting prompts (counted): a later prompt with the same
+        # prefix will find it cached once the earlier one is computed.
+        self._queued_hashes: Counter[int] = Counter()
 
     # -- queries ---------------------------------------------------------------
 
@@ -107,7 +110,40 @@ class Scheduler:
     # -- requests --------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        seq.expected_cached = self._expected_cached(seq)
         self.waiting.append(seq)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: the waiting prompts' less what the prefix cache
+        (or an earlier waiting prompt) will likely supply, and the rest of prompts mid-
+        prefill. What a router divides by the prefill rate."""
+        waiting = sum(max(0, s.num_uncomputed - s.expected_cached) for s in self.waiting)
+        return waiting + sum(s.num_uncomputed for s in self.running if s.num_uncomputed > 1)
+
+    def _expected_cached(self, seq: Sequence) -> int:
+        """Tokens of a new prompt's prefix that are cached now or belong to a prompt waiting
+        before it (an estimate, fixed at arrival: the cache may change until it runs)."""
+        if not self.prefix_caching:
+            return 0
+        usable = (seq.num_tokens - 1) // self.block_size
+        if usable <= 0:
+            return 0
+        self._hash_blocks(seq, usable * self.block_size)
+        hashes = seq.block_hashes[:usable]
+        n = len(self.allocator.lookup(hashes))
+        while n < usable and hashes[n] in self._queued_hashes:
+            n += 1
+        self._queued_hashes.update(hashes)
+        seq.num_queued_hashes = usable
+        return n * self.block_size
+
+    def _left_waiting(self, seq: Sequence) -> None:
+        counts = self._queued_hashes
+        for h in seq.block_hashes[: seq.num_queued_hashes]:
+            counts[h] -= 1
+            if counts[h] <= 0:
+                del counts[h]
+        seq.num_queued_hashes = 0
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose KV is already in its blocks (it decodes next step)."""
@@ -117,6 +153,7 @@ class Scheduler:
     def abort(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self._left_waiting(seq)
         elif seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         self._finish(seq, FinishReason.ABORT)
@@ -151,6 +188,7 @@ class Scheduler:
             if not self.allocator.can_allocate(need + revived + reserve):
                 break
             self.waiting.popleft()
+            self._left_waiting(seq)
             if hits:
                 self.allocator.share(hits)
                 seq.block_table = hits

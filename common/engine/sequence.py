@@ -67,6 +67,10 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_registered = 0
         self.num_cached_tokens = 0
+        # While waiting: prompt tokens it will likely find cached (the queue estimate), and
+        # how many of its block hashes the scheduler counts among the waiting ones.
+        self.expected_cached = 0
+        self.num_queued_hashes = 0
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         # Prefill role: after the first token, keep the prompt's KV blocks (HELD)

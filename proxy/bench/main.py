@@ -114,6 +114,8 @@ class BenchConfig:
             "output_len": random_w.output_len if random_w else None,
             "range_ratio": random_w.range_ratio if random_w else None,
             "prefix_len": random_w.prefix_len if random_w else None,
+            "num_prefixes": random_w.num_prefixes if random_w else None,
+            "prefix_zipf": random_w.prefix_zipf if random_w else None,
             "conversation": None
             if talk is None
             else {
@@ -202,6 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--turns: the system prompt's length): %(default)s",
     )
     g.add_argument(
+        "--num-prefixes",
+        type=int,
+        default=1,
+        help="random prompts: this many distinct shared prefixes of --prefix-len: 1",
+    )
+    g.add_argument(
+        "--prefix-zipf",
+        type=float,
+        default=0.0,
+        help="the k-th prefix is picked with weight 1/k**Z (0: uniform): 0",
+    )
+    g.add_argument(
         "--turns",
         type=int,
         default=1,
@@ -261,7 +275,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         workload = JsonlWorkload.load(args.dataset, args.output_len)
     else:
         workload = RandomWorkload(
-            args.input_len, args.output_len, args.range_ratio, args.prefix_len
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+            args.prefix_len,
+            args.num_prefixes,
+            args.prefix_zipf,
         )
     if args.turns > 1:
         if args.dataset is not None:

@@ -5,7 +5,9 @@ Three sources, all deterministic for a given seed:
 - random (like vLLM's random dataset): prompt and output lengths drawn uniformly from
   ``[len * (1 - range_ratio), len * (1 + range_ratio)]``; the prompt is random common English
   words, after a shared prefix of ``prefix_len`` words (the same for every request of a
-  seed, as vLLM's ``--random-prefix-len``: the prefix-cache workload). Without a tokenizer
+  seed, as vLLM's ``--random-prefix-len``: the prefix-cache workload), or one of
+  ``num_prefixes`` such prefixes, picked with Zipf weights ``1/k**prefix_zipf`` (tenants
+  with their own system prompts, some busier than others). Without a tokenizer
   a word stands for a token (common words are one token in large BPE vocabularies; a small
   vocabulary makes prompts longer in tokens: the usage chunk's ``prompt_tokens`` is what
   gets reported). With ``--tokenizer DIR`` the words are encoded, cut to the drawn length
@@ -73,6 +75,10 @@ class RandomWorkload:
     output_len: int
     range_ratio: float = 0.0
     prefix_len: int = 0  # shared by every request, before its own input_len tokens
+    # Several shared prefixes (tenants' system prompts, documents): each request takes one,
+    # the k-th (from 1) with weight 1 / k**prefix_zipf (0: uniform).
+    num_prefixes: int = 1
+    prefix_zipf: float = 0.0
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:
@@ -81,6 +87,8 @@ class RandomWorkload:
             raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
         if self.prefix_len < 0:
             raise ValueError(f"--prefix-len must be >= 0, got {self.prefix_len}")
+        if self.num_prefixes < 1 or self.prefix_zipf < 0:
+            raise ValueError("--num-prefixes must be >= 1 and --prefix-zipf >= 0")
 
     def lengths(self, rng: random.Random) -> tuple[int, int]:
         return _draw(rng, self.input_len, self.range_ratio), _draw(
@@ -90,11 +98,15 @@ class RandomWorkload:
     def items(self, seed: int, tokenizer: TokenCounter | None = None) -> Iterator[WorkItem]:
         """An endless stream of requests (the load loop bounds it)."""
         rng = random.Random(seed)
-        prefix = ""
+        prefixes = [""]
         if self.prefix_len:
-            prefix = _prompt(random.Random(f"prefix-{seed}"), self.prefix_len, tokenizer) + " "
+            names = [f"prefix-{seed}"] + [f"prefix-{seed}-{k}" for k in range(1, self.num_prefixes)]
+            prefixes = [_prompt(random.Random(n), self.prefix_len, tokenizer) + " " for n in names]
+        weights = [1 / (k + 1) ** self.prefix_zipf for k in range(len(prefixes))]
+        picker = random.Random(f"pick-{seed}")  # (the lengths' and words' draws stay as without)
         while True:
             n_in, n_out = self.lengths(rng)
+            prefix = picker.choices(prefixes, weights)[0] if len(prefixes) > 1 else prefixes[0]
             yield WorkItem(max_tokens=n_out, prompt=prefix + _prompt(rng, n_in, tokenizer))
 
 

@@ -172,7 +172,7 @@ class DisaggBackend:
             node = decision.node
             self.traces.record(msg.request_id, "routed", detail=decision.detail())
             try:
-                return node.url, await self._prefill_on(node, msg)
+                return node.url, await self._prefill_on(node, msg, decision.chosen.uncached)
             except NodeUnreachable as e:  # it did not take the request: try another node
                 self._unreachable(node, e, msg.request_id)
                 self._count("retries", "prefill")
@@ -183,8 +183,10 @@ class DisaggBackend:
     def _unreachable(self, node: Node, e: NodeUnreachable, request_id: str) -> None:
         _unreachable(self.registry, self.client, node, e, request_id)
 
-    async def _prefill_on(self, node: Node, msg: PrefillRequest) -> PrefillResult:
-        with self.registry.track(node, len(msg.prompt_token_ids)):
+    async def _prefill_on(self, node: Node, msg: PrefillRequest, uncached: int) -> PrefillResult:
+        """Prefill on `node`, counting the `uncached` prompt tokens it must compute as its
+        queued work (for routing) until a poll's state shows them."""
+        with self.registry.track(node, uncached):
             try:
                 result = await self.client.prefill(node.url, msg)
             except NodeUnreachable:
@@ -257,7 +259,7 @@ class ColocatedBackend:
         while True:
             decision = self.registry.router.pick(Role.BOTH, req.prompt_token_ids, frozenset(tried))
             node = decision.node
-            node.sent(len(req.prompt_token_ids))
+            node.sent(decision.chosen.uncached)
             self.traces.record(req.request_id, "routed", detail=decision.detail())
             try:
                 stall_s = self.registry.stall_timeout(node.url)

@@ -59,8 +59,13 @@ class Estimate:
         return self.queued_tokens / self.rate
 
     @property
+    def uncached(self) -> int:
+        """This prompt's tokens the node must compute (its cache holds the rest)."""
+        return self.prompt_tokens - self.matched_tokens
+
+    @property
     def ttft_s(self) -> float:
-        return (self.queued_tokens + self.prompt_tokens - self.matched_tokens) / self.rate
+        return (self.queued_tokens + self.uncached) / self.rate
 
     def describe(self) -> str:
         return (

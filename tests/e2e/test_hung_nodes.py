@@ -126,11 +126,18 @@ def test_a_stopped_decode_node_s_streams_continue_elsewhere_and_new_work_avoids_
                 res = await r.wait(60.0)
                 assert res.error is None and res.text == _expected(tokenizer, offline_token_ids, b)
             # The stopped node's streams moved (stall or node-down) and finish, exactly,
-            # while it is still stopped.
+            # while it is still stopped; their traces name the cause.
+            causes = []
             for b, r in zip(bodies, reqs, strict=True):
                 res = await r.wait(90.0)
                 assert res.error is None and res.done and res.finish_reason == "length", res
                 assert res.text == _expected(tokenizer, offline_token_ids, b)
+                rid = res.headers["X-Request-Id"]
+                trace = await get_json(session, f"{proxy.url}/debug/requests/{rid}/trace")
+                causes += [
+                    row["detail"].split()[0] for row in trace["rows"] if row["event"] == "migrating"
+                ]
+            assert causes and set(causes) <= {"stalled", "node_down"}, causes
             assert victim.alive() and (await _admin_row(session, proxy, victim.url))["status"]
             moved = sum(
                 [

@@ -117,3 +117,29 @@ def test_caching_off_finds_nothing(make_engine, engine_driver) -> None:
     run(engine, engine_driver, {"a": prompt}, greedy())
     _, cached = run(engine, engine_driver, {"b": prompt}, greedy())
     assert cached == {"b": 0} and engine.allocator.num_cached == 0
+
+
+def test_the_queue_a_router_reads_counts_only_the_tokens_still_to_compute(
+    make_engine, engine_driver
+) -> None:
+    """`queued_prefill_tokens` leaves out a waiting prompt's prefix that is cached, or that
+    a prompt waiting before it will compute (a router must not count a cache hit as work);
+    with caching off every prompt token counts."""
+    prefix = tokens(64, seed=7)
+    engine = make_engine()
+    run(engine, engine_driver, {"warm": prefix + tokens(16, seed=8)}, greedy(2))
+    driver = engine_driver(engine)
+    other = tokens(48, seed=9)
+    driver.add("hit", prefix + tokens(20, seed=10), greedy(2))  # 64 cached of 84
+    driver.add("new", other + tokens(20, seed=11), greedy(2))  # nothing cached: 68
+    driver.add("same", other + tokens(30, seed=12), greedy(2))  # 48 after "new": 30 left
+    engine.apply_commands()
+    assert engine.scheduler.queued_prefill_tokens() == 20 + 68 + 30
+    driver.finish()
+    off = make_engine(enable_prefix_caching=False)
+    run(off, engine_driver, {"warm": prefix + tokens(16, seed=8)}, greedy(2))
+    driver = engine_driver(off)
+    driver.add("hit", prefix + tokens(20, seed=10), greedy(2))
+    off.apply_commands()
+    assert off.scheduler.queued_prefill_tokens() == 84
+    driver.finish()

@@ -10,6 +10,7 @@ import json
 import math
 import random
 import socket
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -414,6 +415,21 @@ def test_random_prompts_can_share_a_prefix() -> None:
     assert other.prompt.split()[:30] != words[0][:30]  # another seed, another prefix
     with pytest.raises(ValueError):
         RandomWorkload(8, 3, prefix_len=-1)
+
+
+def test_random_prompts_can_take_one_of_several_prefixes_with_zipf_popularity() -> None:
+    w = RandomWorkload(8, 3, prefix_len=30, num_prefixes=4, prefix_zipf=1.5)
+    items = list(itertools.islice(w.items(seed=1), 400))
+    counts = Counter(tuple(i.prompt.split()[:30]) for i in items)
+    assert len(counts) == 4
+    ranked = [n for _, n in counts.most_common()]
+    assert ranked[0] > 2 * ranked[-1]  # weights 1, 0.35, 0.19, 0.125
+    # The first prefix and the own parts are those of the single-prefix workload.
+    single = list(itertools.islice(RandomWorkload(8, 3, prefix_len=30).items(seed=1), 400))
+    assert [i.prompt.split()[30:] for i in items] == [i.prompt.split()[30:] for i in single]
+    assert tuple(single[0].prompt.split()[:30]) in counts
+    with pytest.raises(ValueError):
+        RandomWorkload(8, 3, num_prefixes=0)
 
 
 def test_a_conversation_carries_its_history_and_answers_forward() -> None:
