@@ -23,7 +23,9 @@ every message between the two is sealed (auth.py): the routing id alone is never
 
 Incarnations: an agent's name ends with its incarnation, new at every process start. A
 handshake from a new incarnation of an engine at the address of a connected peer replaces
-that peer at once (the old process no longer holds the address).
+that peer at once (the old process no longer holds the address). A handshake from a peer
+that is still connected (it dropped us first: it declared us lost while we were stopped)
+ends the old connection, as if lost, and starts a clean one.
 
 A peer is lost when its outbox's TCP connection drops (a killed process), when
 nothing arrived from it for peer_timeout_s (heartbeats every
@@ -226,9 +228,11 @@ class Connections:
             log.warning("refused an unauthenticated handshake from %r", routing_id)
             self.side.reply(routing_id, HandshakeReply(accepted=False, error=_UNAUTHENTICATED))
             return
-        if info.agent_name in self.peers:  # a repeated handshake: answer it again
-            self._accept(routing_id, self.peers[info.agent_name].recv_channel, nonces)
-            return
+        if info.agent_name in self.peers:
+            # It connects again, so its side dropped ours (it declared us lost while we were
+            # stopped, say, before we noticed): start over from a clean connection, as it
+            # does. Answering on the old one would keep stale channels and outboxes.
+            self.lose(info.agent_name, "it connected again", self.config.close_timeout_s)
         crossing = self._crossing(info.side_channel)  # both sides connecting at once
         try:
             if routing_id != info.agent_name:
