@@ -2,7 +2,7 @@
 """The hung-node scenario of issue 16, measured: what a user and an operator see when a
 decode node stops (SIGSTOP) for a while and then resumes (SIGCONT).
 
-    python scripts/hang_scenario.py [--model tiny] [--streams 8] [--max-tokens 400]
+    python scripts/hang_scenario.py [--model M] [--streams 8] [--max-tokens 400]
         [--stop-s 20] [--new-after-s 3] [--new 4] [--up-args "..."] [--json out.json]
 
 Starts `pdserve up --decode 2` (proxy, 1 prefill node, 2 decode nodes), streams --streams
@@ -53,7 +53,7 @@ PROMPTS = [
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="as for pdserve up")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=400)
     p.add_argument("--stop-s", type=float, default=20.0)
@@ -220,7 +220,7 @@ async def scenario(up: Up, args: argparse.Namespace) -> dict[str, Any]:
         "stop_s": round(resumed_at - stopped_at, 2),
         "streams": [
             {
-                "tokens": s.tokens,
+                "chunks": s.tokens,
                 "finish": s.finish,
                 "error": s.error,
                 "longest_silence_s": round(s.longest_gap(), 2),
@@ -230,7 +230,7 @@ async def scenario(up: Up, args: argparse.Namespace) -> dict[str, Any]:
         "new_requests": [
             {
                 "decoded_on": where,
-                "tokens": s.tokens,
+                "chunks": s.tokens,
                 "error": s.error,
                 "ttft_s": round(s.times[0] - s.sent, 2) if s.times else None,
                 "latency_s": round(s.times[-1] - s.sent, 2) if s.times else None,

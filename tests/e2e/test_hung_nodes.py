@@ -27,24 +27,15 @@ import aiohttp
 import pytest
 
 from common.text.tokenizer import Tokenizer
-from common.tiny.corpus import CORPUS
-from common.wire.sampling_params import SamplingParams
-from tests.support.aclient import Request, get_json, metric, until
+from tests.support.aclient import Request, corpus_prompt, get_json, greedy_body, metric, until
+from tests.support.aclient import holds as _true
+from tests.support.aclient import offline_text as _expected
+from tests.support.aclient import run_with_session as _run
 from tests.support.cluster import Cluster, Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 LIVENESS = {"stall_timeout_s": 2.0, "silent_after_s": 1.0, "poll_interval_s": 0.2}
-
-
-def _body(tokenizer: Tokenizer, n_prompt: int, at: int, max_tokens: int) -> dict[str, Any]:
-    prompt = tokenizer.decode(tokenizer.encode(CORPUS[at:])[:n_prompt]).rstrip("\ufffd")
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-
-
-def _expected(tokenizer: Tokenizer, offline: Callable, body: dict[str, Any]) -> str:
-    sp = SamplingParams(temperature=0.0, max_tokens=body["max_tokens"], ignore_eos=True)
-    return tokenizer.decode(offline(tokenizer.encode(body["prompt"]), sp))
 
 
 async def _admin_row(session: aiohttp.ClientSession, proxy: Server, url: str) -> dict[str, Any]:
@@ -103,8 +94,8 @@ def test_a_stopped_decode_node_s_streams_continue_elsewhere_and_new_work_avoids_
     pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     cluster, proxy, decode = pools.cluster, pools.proxy, pools.decode
-    bodies = [_body(tokenizer, 30, 200 + 40 * i, 120) for i in range(4)]
-    later = [_body(tokenizer, 20, 900 + 40 * i, 16) for i in range(2)]
+    bodies = [greedy_body(corpus_prompt(tokenizer, 30, 200 + 40 * i), 80) for i in range(4)]
+    later = [greedy_body(corpus_prompt(tokenizer, 20, 900 + 40 * i), 16) for i in range(2)]
 
     async def scenario(session: aiohttp.ClientSession) -> None:
         reqs = [Request(session, proxy.url, b) for b in bodies]
@@ -173,7 +164,7 @@ def test_a_stopped_prefill_node_s_queued_and_held_requests_are_prefilled_again_e
 ) -> None:
     cluster, proxy, prefill = pools.cluster, pools.proxy, pools.prefill
     # Spread over both prefill nodes by their queues; the decode slots keep the rest queued.
-    bodies = [_body(tokenizer, 200 + 40 * i, 100 * i, 24) for i in range(6)]
+    bodies = [greedy_body(corpus_prompt(tokenizer, 200 + 40 * i, 100 * i), 24) for i in range(6)]
 
     async def scenario(session: aiohttp.ClientSession) -> None:
         reqs = [Request(session, proxy.url, b) for b in bodies]
@@ -207,15 +198,3 @@ def test_a_stopped_prefill_node_s_queued_and_held_requests_are_prefilled_again_e
 async def _text(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
         return await resp.text()
-
-
-async def _true(value: bool) -> bool:
-    return value
-
-
-def _run(coro_fn: Callable[[aiohttp.ClientSession], Any]) -> None:
-    async def main() -> None:
-        async with aiohttp.ClientSession() as session:
-            await coro_fn(session)
-
-    asyncio.run(main())

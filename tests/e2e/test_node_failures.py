@@ -15,15 +15,17 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 
 from common.text.tokenizer import Tokenizer
-from common.tiny.corpus import CORPUS
-from common.wire.sampling_params import SamplingParams
 from tests.support.aclient import Request, get_json, metric, stream_completion, until
+from tests.support.aclient import corpus_prompt as _prompt
+from tests.support.aclient import greedy_body as _body
+from tests.support.aclient import holds as _true
+from tests.support.aclient import offline_text as _expected
+from tests.support.aclient import run_with_session as _run
 from tests.support.cluster import Cluster, Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -63,20 +65,6 @@ def pools(tiny_model_dir: Path) -> Iterator[Pools]:
         yield Pools(cluster, migrating, plain)
     finally:
         cluster.close()
-
-
-def _prompt(tokenizer: Tokenizer, n_tokens: int, at: int = 0) -> str:
-    text = tokenizer.decode(tokenizer.encode(CORPUS[at:])[:n_tokens])
-    return text.rstrip("\ufffd")
-
-
-def _body(prompt: str, max_tokens: int) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-
-
-def _expected(tokenizer: Tokenizer, offline_token_ids: Callable, body: dict[str, Any]) -> str:
-    sp = SamplingParams(temperature=0.0, max_tokens=body["max_tokens"], ignore_eos=True)
-    return tokenizer.decode(offline_token_ids(tokenizer.encode(body["prompt"]), sp))
 
 
 async def _busy(session: aiohttp.ClientSession, nodes: list[Server], key: str) -> Server:
@@ -119,14 +107,6 @@ async def _rejoin(pools: Pools, session: aiohttp.ClientSession, dead: Server) ->
 
         await until(up, 10.0, f"{proxy.name} taking {new.name} back")
     return new
-
-
-def _run(coro_fn: Callable[[aiohttp.ClientSession], Any]) -> None:
-    async def main() -> None:
-        async with aiohttp.ClientSession() as session:
-            await coro_fn(session)
-
-    asyncio.run(main())
 
 
 def test_decode_killed_mid_stream_migrates_to_the_other_decode_node(
@@ -365,10 +345,6 @@ def test_a_write_past_the_sending_deadline_is_aborted_and_freed(
 
         _run(scenario)
         cluster.wait_baseline(10.0)
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def _node_status_is(

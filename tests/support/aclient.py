@@ -1,5 +1,6 @@
 """Async HTTP helpers for end-to-end scenarios: SSE completions that can be dropped at any
-moment, node states, and Prometheus samples."""
+moment, node states, Prometheus samples, and greedy request bodies with the offline
+engine's text for them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
+
+from common.text.tokenizer import Tokenizer
+from common.tiny.corpus import CORPUS
+from common.wire.sampling_params import SamplingParams
 
 TIMEOUT = aiohttp.ClientTimeout(total=120, sock_connect=5)
 
@@ -120,3 +125,35 @@ async def until(
         if time.monotonic() - start > timeout:
             raise AssertionError(f"not within {timeout:g} s: {what}")
         await asyncio.sleep(interval)
+
+
+async def holds(value: bool) -> bool:
+    """`value`, as a check `until` can await."""
+    return value
+
+
+def run_with_session(coro_fn: Callable[[aiohttp.ClientSession], Awaitable[Any]]) -> None:
+    """Run `coro_fn(session)` on a new event loop with a fresh client session."""
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            await coro_fn(session)
+
+    asyncio.run(main())
+
+
+def corpus_prompt(tokenizer: Tokenizer, n_tokens: int, at: int = 0) -> str:
+    """`n_tokens` tokens of the built-in corpus from character `at`, as text."""
+    text = tokenizer.decode(tokenizer.encode(CORPUS[at:])[:n_tokens])
+    return text.rstrip("\ufffd")
+
+
+def greedy_body(prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A completion body for exactly `max_tokens` greedy tokens."""
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def offline_text(tokenizer: Tokenizer, offline_token_ids: Callable, body: dict[str, Any]) -> str:
+    """What the offline engine generates for a `greedy_body`."""
+    sp = SamplingParams(temperature=0.0, max_tokens=body["max_tokens"], ignore_eos=True)
+    return tokenizer.decode(offline_token_ids(tokenizer.encode(body["prompt"]), sp))
