@@ -1,12 +1,25 @@
-"""The edge queue: admission control at the proxy's front door.
+"""The edge: the proxy's one admission decision, made before any node sees a request.
 
-At most `max_active` requests are inside the backend (prefill, inter-stage queue, decode) at
-once; up to `capacity` more wait here in FIFO order; beyond that a request is refused at once
-with 503 and `Retry-After`, so an overloaded proxy never queues without limit. A waiting
-request that is cancelled (its client left) just leaves the queue; a slot freed by a finished
-request goes straight to the oldest waiter.
+A request enters the pipeline only when the pipeline can carry it to decode: fewer than
+`max_active` requests are inside, and the pre-decode stage (prefilling, or prefilled and
+waiting for a decode node: `proxy.pool.budget`) has room for its prompt. Otherwise it waits
+here, in FIFO order, until it fits. The proxy holds at most `max_active + capacity` requests
+(inside and waiting); one more is refused at once. A request is also refused at once when its
+estimated wait exceeds its patience (`deadline_s`, lowered per request by the
+`X-Request-Deadline-Ms` header), and a waiter whose patience runs out leaves with a 503. So
+overload costs a client a bounded wait or an early 503, never compute: nothing past the edge
+is refused for lack of room.
 
-`EdgeGatedBackend` puts a `TokenBackend` behind the queue: the slot is taken at the stream's
+The estimated wait is the waiters ahead divided by the drain rate: how fast waiters were
+admitted lately (`DrainRate`, from hand-overs only: admissions of requests that found no
+queue say nothing about capacity). Until a drain rate is measured the estimate is unknown and
+a request is not refused for it. `Retry-After` on every refusal is the time the queue now
+ahead would take to drain (1 s to 60 s; `retry_after_s` when unknown).
+
+A waiter that is cancelled (its client left) just leaves the queue; room freed by a request
+that leaves the pre-decode stage, or that ends, goes straight to the oldest waiter that fits.
+
+`EdgeGatedBackend` puts a `TokenBackend` behind the edge: the slot is taken at the stream's
 first `__anext__` and returned when the stream ends or is closed.
 """
 
@@ -24,20 +37,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from common.wire.stage import Stage
 from proxy.http.backend import BackendError, GenerationRequest, TokenBackend, TokenStream
 from proxy.metrics import WAIT_BUCKETS
+from proxy.pool.budget import PreDecodeBudget
 from proxy.trace import TraceStore
+
+REJECT_REASONS = ("full", "deadline", "expired")
+RETRY_AFTER_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
 class EdgeConfig:
-    max_active: int = 512  # requests inside the backend at once
-    capacity: int = 1024  # requests waiting for a slot; a full queue answers 503
-    retry_after_s: float = 1.0
+    max_active: int = 512  # requests inside the pipeline at once
+    capacity: int = 1024  # more may wait here: max_active + capacity in the proxy, then 503
+    retry_after_s: float = 1.0  # Retry-After while no drain rate is measured
+    deadline_s: float = 60.0  # the longest a request waits here (0: no limit)
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.capacity < 0:
             raise ValueError("edge max_active must be >= 1 and capacity >= 0")
         if self.retry_after_s <= 0:
             raise ValueError("retry_after_s must be positive")
+        if self.deadline_s < 0:
+            raise ValueError("deadline_s must be >= 0 (0: no limit)")
 
 
 class EdgeMetrics:
@@ -60,14 +80,82 @@ class EdgeMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.rejections = Counter(
+            "pdserve_edge_rejections",
+            "Requests refused at the edge, before any node saw them, by reason (full: the "
+            "proxy holds max_active + capacity; deadline: the estimated wait exceeds the "
+            "request's patience; expired: it waited that long).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in REJECT_REASONS:
+            self.rejections.labels(reason)
+        self.drain_rate = Gauge(
+            "pdserve_edge_drain_rate",
+            "Waiters admitted per second lately (0: not measured).",
+            registry=registry,
+        )
+
+
+class DrainRate:
+    """How fast the edge queue drains: hand-overs per second of *backlog* (time during which
+    requests were waiting), over the last `window` hand-overs within `max_age_s`. Idle time
+    does not count (an empty queue drains nothing because nothing waits, not because the
+    pipeline is slow), while a backlog that stops moving lowers the rate as it lasts. None
+    until `min_samples` hand-overs are known."""
+
+    def __init__(self, window: int = 64, max_age_s: float = 60.0, min_samples: int = 8) -> None:
+        self.max_age_s = max_age_s
+        self.min_samples = min_samples
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (time, backlog clock)
+        self._backlog_s = 0.0  # backlog time before the current backlog
+        self._since: float | None = None  # when the current backlog began; None: no backlog
+
+    def waiting(self, now: float, backlogged: bool) -> None:
+        """Whether requests are waiting from `now` on."""
+        if backlogged and self._since is None:
+            self._since = now
+        elif not backlogged and self._since is not None:
+            self._backlog_s += now - self._since
+            self._since = None
+
+    def admitted(self, now: float) -> None:
+        self._samples.append((now, self._clock(now)))
+
+    def rate(self, now: float) -> float | None:
+        while self._samples and now - self._samples[0][0] > self.max_age_s:
+            self._samples.popleft()
+        if len(self._samples) < self.min_samples:
+            return None
+        span = self._clock(now) - self._samples[0][1]
+        return (len(self._samples) - 1) / span if span > 0 else None
+
+    def _clock(self, now: float) -> float:
+        return self._backlog_s + (now - self._since if self._since is not None else 0.0)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    request_id: str
+    num_tokens: int
+    future: asyncio.Future[None]
 
 
 class EdgeQueue:
-    def __init__(self, config: EdgeConfig, metrics: EdgeMetrics) -> None:
+    def __init__(
+        self,
+        config: EdgeConfig,
+        metrics: EdgeMetrics,
+        budget: PreDecodeBudget | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics
+        self.budget = budget
+        self.drain = DrainRate()
         self._active = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[_Waiter] = deque()
+        if budget is not None:
+            budget.add_listener(self.pump)
 
     @property
     def active(self) -> int:
@@ -78,64 +166,131 @@ class EdgeQueue:
         return len(self._waiters)
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one of the `max_active` slots for the body of the `with`."""
-        await self._acquire()
+    async def slot(
+        self, request_id: str, num_tokens: int = 0, patience_s: float | None = None
+    ) -> AsyncIterator[None]:
+        """Hold a place in the pipeline for the body of the `with`: one of the `max_active`
+        slots, and `num_tokens` of the pre-decode budget until the backend releases them
+        (or the body ends). `patience_s`: the client's own limit on the wait (the lower of
+        it and `deadline_s` applies)."""
+        await self._acquire(request_id, num_tokens, self._patience(patience_s))
         try:
             yield
         finally:
-            self._release()
+            self._release(request_id)
 
-    async def _acquire(self) -> None:
+    def estimated_wait_s(self, ahead: int, now: float | None = None) -> float | None:
+        """How long a request with `ahead` waiters before it would wait; None if unknown."""
+        rate = self.drain.rate(time.monotonic() if now is None else now)
+        return None if rate is None else (ahead + 1) / rate
+
+    def pump(self) -> None:
+        """Admit waiters, oldest first, while the head fits (room freed, or limits grew)."""
+        while self._waiters:
+            head = self._waiters[0]
+            if head.future.done():  # cancelled or expired, not yet removed
+                self._waiters.popleft()
+                continue
+            if not self._fits(head.num_tokens):
+                break
+            self._waiters.popleft()
+            self._enter(head.request_id, head.num_tokens)
+            self.drain.admitted(time.monotonic())
+            head.future.set_result(None)
+        self._update()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _patience(self, patience_s: float | None) -> float | None:
+        limits = [p for p in (self.config.deadline_s, patience_s) if p is not None and p > 0]
+        return min(limits) if limits else None
+
+    def _fits(self, num_tokens: int) -> bool:
+        if self._active >= self.config.max_active:
+            return False
+        return self.budget is None or self.budget.fits(num_tokens)
+
+    def _enter(self, request_id: str, num_tokens: int) -> None:
+        self._active += 1
+        if self.budget is not None:
+            self.budget.hold(request_id, num_tokens)
+
+    async def _acquire(self, request_id: str, num_tokens: int, patience: float | None) -> None:
         arrived = time.monotonic()
-        if self._active < self.config.max_active and not self._waiters:
-            self._active += 1
+        if not self._waiters and self._fits(num_tokens):
+            self._enter(request_id, num_tokens)
             self._admitted(arrived)
             return
-        if len(self._waiters) >= self.config.capacity:
-            self.metrics.exits.labels("rejected").inc()
-            raise BackendError.overloaded(
-                f"the proxy is at capacity ({self.config.max_active} requests running, "
-                f"{len(self._waiters)} waiting)",
-                retry_after=self.config.retry_after_s,
+        ahead = len(self._waiters)
+        if self._active + ahead >= self.config.max_active + self.config.capacity:
+            raise self._reject(
+                "full",
+                f"the proxy is at capacity ({self._active} requests in the pipeline, "
+                f"{ahead} waiting)",
             )
-        waiter = asyncio.get_running_loop().create_future()
+        wait = self.estimated_wait_s(ahead, arrived)
+        if patience is not None and wait is not None and wait > patience:
+            raise self._reject(
+                "deadline",
+                f"the estimated wait for admission ({wait:.1f} s, {ahead} requests ahead) "
+                f"exceeds the request's deadline ({patience:g} s)",
+            )
+        waiter = _Waiter(request_id, num_tokens, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._update()
         try:
-            await waiter
+            await asyncio.wait({waiter.future}, timeout=patience)
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self._release()  # the slot was handed over just as we were cancelled
-            else:
-                self._waiters.remove(waiter)
+            self._abandon(waiter)
             self.metrics.exits.labels("cancelled").inc()
-            self._update()
             raise
-        self._admitted(arrived)  # _release() handed us its slot: _active is unchanged
+        if not waiter.future.done():
+            self._abandon(waiter)
+            raise self._reject(
+                "expired", f"waited {patience:g} s for admission (the request's deadline)"
+            )
+        self._admitted(arrived)  # pump() admitted it: the slot and the budget are its own
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """`waiter` stops waiting; if it had been admitted in the meantime, its place is given
+        back. Either way the next waiter may fit now."""
+        if waiter.future.done():
+            self._release(waiter.request_id)
+        else:
+            waiter.future.cancel()
+            self._waiters.remove(waiter)
+            self.pump()
+
+    def _reject(self, reason: str, message: str) -> BackendError:
+        self.metrics.exits.labels("rejected").inc()
+        self.metrics.rejections.labels(reason).inc()
+        wait = self.estimated_wait_s(len(self._waiters))
+        retry_after = (
+            self.config.retry_after_s if wait is None else min(max(wait, 1.0), RETRY_AFTER_MAX_S)
+        )
+        return BackendError.rejected(message, reason, retry_after=retry_after)
 
     def _admitted(self, arrived: float) -> None:
         self.metrics.wait.observe(time.monotonic() - arrived)
         self.metrics.exits.labels("admitted").inc()
         self._update()
 
-    def _release(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes to the oldest waiter
-                self._update()
-                return
+    def _release(self, request_id: str) -> None:
         self._active -= 1
-        self._update()
+        if self.budget is not None:
+            self.budget.release(request_id)  # pumps if it held anything
+        self.pump()
 
     def _update(self) -> None:
+        now = time.monotonic()
+        self.drain.waiting(now, bool(self._waiters))
         self.metrics.depth.set(len(self._waiters))
         self.metrics.active.set(self._active)
+        self.metrics.drain_rate.set(self.drain.rate(now) or 0.0)
 
 
 class EdgeGatedBackend:
-    """A `TokenBackend` whose streams each hold an edge slot while they run."""
+    """A `TokenBackend` whose streams each hold a place in the pipeline while they run."""
 
     def __init__(
         self, inner: TokenBackend, edge: EdgeQueue, traces: TraceStore | None = None
@@ -145,7 +300,8 @@ class EdgeGatedBackend:
         self.traces = traces
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
-        async with self.edge.slot():
+        num_tokens = len(req.prompt_token_ids)
+        async with self.edge.slot(req.request_id, num_tokens, req.patience_s):
             if self.traces is not None:
                 self.traces.record(req.request_id, "edge admitted", stage=Stage.PREFILL)
             async with aclosing(self.inner.generate(req)) as chunks:

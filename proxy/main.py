@@ -30,6 +30,7 @@ from proxy.http.backend import TokenBackend
 from proxy.http.server import HealthCheck, ProxyConfig, build_app, make_runner
 from proxy.metrics import DisaggMetrics, InterStageMetrics, ProxyMetrics, metrics_handler
 from proxy.pool.admin import AdminRoutes
+from proxy.pool.budget import PreDecodeBudget, decode_limits
 from proxy.pool.client import NodeClient
 from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
 from proxy.pool.interstage import InterStageConfig, InterStageQueue
@@ -79,9 +80,17 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
     for role, urls in settings.node_urls().items():
         for url in urls:
             registry.add(url, role)
-    queue, backend = _backend(settings, registry, client, metrics, traces)
-    edge_config = EdgeConfig(settings.max_active_requests, settings.edge_queue_capacity)
-    edge = EdgeQueue(edge_config, EdgeMetrics(metrics))
+    budget = None
+    if not settings.colocated_mode:
+        budget = PreDecodeBudget(decode_limits(registry, settings.interstage_capacity))
+    queue, backend = _backend(settings, registry, client, metrics, traces, budget)
+    edge_config = EdgeConfig(
+        settings.max_active_requests,
+        settings.edge_queue_capacity,
+        deadline_s=settings.edge_deadline_s,
+    )
+    edge = EdgeQueue(edge_config, EdgeMetrics(metrics), budget)
+    registry.add_listener(lambda node: edge.pump())  # a node came up: the limits may be larger
     app = build_app(
         EdgeGatedBackend(backend, edge, traces),
         tokenizer,
@@ -108,18 +117,20 @@ def _backend(
     client: NodeClient,
     metrics: CollectorRegistry,
     traces: TraceStore,
+    budget: PreDecodeBudget | None,
 ) -> tuple[InterStageQueue | None, TokenBackend]:
     config = DisaggConfig(lease_s=settings.lease_s, migrate_limit=settings.migrate_limit)
     if settings.colocated_mode:
         return None, ColocatedBackend(registry, client, config, traces, DisaggMetrics(metrics))
     queue_config = InterStageConfig(
-        capacity=settings.interstage_capacity,
         lease_s=settings.lease_s,
         max_wait_s=settings.interstage_max_wait_s,
     )
     queue = InterStageQueue(registry, client, InterStageMetrics(metrics), queue_config)
     registry.add_listener(lambda node: queue.notify_capacity())
-    return queue, DisaggBackend(registry, client, queue, config, DisaggMetrics(metrics), traces)
+    return queue, DisaggBackend(
+        registry, client, queue, config, DisaggMetrics(metrics), traces, budget
+    )
 
 
 def _health_check(registry: NodeRegistry, roles: set[Role]) -> HealthCheck:

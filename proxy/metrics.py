@@ -16,7 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from proxy.http.backend import LOSS_CAUSES
+from proxy.http.backend import LOSS_CAUSES, BackendError
 from proxy.http.errors import ApiError
 from proxy.http.hooks import ProxyHooks
 
@@ -39,7 +39,8 @@ class ProxyMetrics(ProxyHooks):
         self.requests = Counter(
             "pdserve_proxy_requests",
             "Generation requests by endpoint and outcome "
-            "(stop, length, client_error, server_error, cancelled).",
+            "(stop, length, client_error, rejected: refused before any node saw it, "
+            "server_error, cancelled).",
             ["endpoint", "outcome"],
             registry=registry,
         )
@@ -91,7 +92,11 @@ class ProxyMetrics(ProxyHooks):
             self.e2e.observe(time.monotonic() - timing.received)
 
     def on_error(self, request_id: str, error: ApiError, stream_started: bool) -> None:
-        self._end(request_id, "client_error" if error.status < 500 else "server_error")
+        if isinstance(error, BackendError) and error.reject_reason is not None:
+            outcome = "rejected"
+        else:
+            outcome = "client_error" if error.status < 500 else "server_error"
+        self._end(request_id, outcome)
 
     def on_cancelled(self, request_id: str, reason: str) -> None:
         self._end(request_id, "cancelled")

@@ -26,12 +26,13 @@ class ProxySettings:
     colocated: tuple[str, ...] = ()
     mode: Mode = "disagg"  # colocated: route whole requests to `both` nodes
     lease_s: float = 30.0
-    max_active_requests: int = 512  # edge: requests inside the backend at once
-    edge_queue_capacity: int = 1024  # edge: requests waiting for a slot; beyond: 503
+    max_active_requests: int = 512  # edge: requests inside the pipeline at once
+    edge_queue_capacity: int = 1024  # edge: more may wait; beyond max_active + this: 503
+    edge_deadline_s: float = 60.0  # edge: the longest wait for admission (0: no limit)
     migrate_limit: int = 1  # times a stream may move to another decode node after a failure
     routing: str = "cost"  # prefill placement policy (proxy/pool/router.py)
     trace_capacity: int = 2048  # recent requests whose traces GET /debug/requests/{id}/trace has
-    interstage_capacity: int = 256
+    interstage_capacity: int = 0  # pre-decode requests; 0: the decode nodes' max_num_seqs
     interstage_max_wait_s: float = 300.0
     poll_interval_s: float = 0.5
     silent_after_s: float | None = None  # no good poll this long: no new work (None: default)
@@ -61,6 +62,8 @@ class ProxySettings:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
+        if self.interstage_capacity < 0 or self.edge_deadline_s < 0:
+            raise ValueError("interstage_capacity and edge_deadline_s must be >= 0 (0: default)")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
 

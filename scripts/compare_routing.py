@@ -9,8 +9,8 @@ Each deployment is `pdserve up --prefill P --decode D` (default 2P2D) with `--ro
 (`no-cache`: `--routing cost --no-prefix-caching`), started on loopback port 0, warmed
 up, given the same bench-serve run (random prompts after a shared prefix of --prefix-len
 tokens, as a system prompt; or, with --turns, conversations whose turns resend the history;
-the seed fixes prompts and arrivals), then stopped by pid (an
-`atexit` hook stops whatever is still running). The report (DIR/report.md, DIR/report.json)
+the seed fixes prompts and arrivals), then stopped by pid (`up_service.UpService`), also
+when the run fails. The report (DIR/report.md, DIR/report.json)
 has, per deployment: TTFT p50/p99, TPOT p50, the prefix cache hit rate (usage.cached_tokens
 over prompt tokens), KV bytes moved per request (the prefill nodes' transfer-bytes
 histograms, from /metrics), and the routing decisions where cache and queue disagreed; and a
@@ -25,18 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # pdserve's packages; up_service
+
+from up_service import UpService, sample_sum  # noqa: E402
 
 from common.cli.models import model_dir  # noqa: E402
 from proxy.bench.main import main as bench_serve  # noqa: E402
@@ -81,70 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _announced(log: Path, prefix: str) -> str:
-    """The first word after `prefix` on a line of `log` starting with it; "" if none yet."""
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith(prefix) and line[len(prefix) :].split():
-            return line[len(prefix) :].split()[0]
-    return ""
+def deploy(name: str, args: argparse.Namespace) -> UpService:
+    """One `pdserve up` for deployment `name`, in DIR/NAME/."""
+    up_args = ["--model", args.model, "--prefill", str(args.prefill),
+               "--decode", str(args.decode), *DEPLOYMENTS[name], *args.up_args.split()]  # fmt: skip
+    return UpService(up_args, args.out / name, args.startup_timeout_s)
 
 
-def _get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read().decode()
-
-
-class Deployment:
-    """One `pdserve up`, started in its own process group and stopped by pid."""
-
-    def __init__(self, name: str, args: argparse.Namespace, out: Path) -> None:
-        self.name, self.dir = name, out / name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.url = ""  # `pdserve up --port 0` names its URL on its ready line
-        argv = [sys.executable, "-m", "common.cli", "up", "--port", "0", "--model", args.model,
-                "--prefill", str(args.prefill), "--decode", str(args.decode),
-                "--log-dir", str(self.dir / "node-logs"),
-                "--startup-timeout-s", str(args.startup_timeout_s),
-                *DEPLOYMENTS[name], *args.up_args.split()]  # fmt: skip
-        self.log = open(self.dir / "up.log", "w")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=REPO, start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + args.startup_timeout_s + 30
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = (self.dir / "up.log").read_text()[-3000:]
-                raise RuntimeError(f"{name} did not get ready:\n{tail}")
-            self.url = self.url or _announced(self.dir / "up.log", "pdserve proxy ready:")
-            try:
-                if self.url and json.loads(_get(self.url + "/health")).get("status") == "ok":
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-
-    def node_urls(self, role: str) -> list[str]:
-        token = (self.dir / "node-logs" / "cluster-token").read_text().strip()
-        req = urllib.request.Request(
-            self.url + "/admin/nodes", headers={"Authorization": f"Bearer {token}"}
-        )
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            nodes = json.loads(resp.read())["nodes"]
-        return [n["url"] for n in nodes if n["role"] == role]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # `pdserve up` drains and stops its nodes
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def _bench(dep: Deployment, args: argparse.Namespace, n: int, seed: int, out: Path | None) -> None:
+def _bench(dep: UpService, args: argparse.Namespace, n: int, seed: int, out: Path | None) -> None:
     endpoint = "chat" if args.turns > 1 else "completions"
     argv = ["--base-url", dep.url, "--endpoint", endpoint, "--tokenizer", args.tokenizer,
             "--prefix-len", str(args.prefix_len), "--input-len", str(args.input_len),
@@ -158,11 +98,11 @@ def _bench(dep: Deployment, args: argparse.Namespace, n: int, seed: int, out: Pa
     if out is not None:
         argv += ["--json", str(out)]
     if bench_serve(argv) != 0:
-        raise RuntimeError(f"{dep.name}: bench-serve failed")
+        raise RuntimeError(f"{dep.dir.name}: bench-serve failed")
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    dep = Deployment(name, args, args.out)
+    dep = deploy(name, args)
     try:
         # Warm-up: another seed, so its prompts (and prefix) are not the measured ones.
         _bench(dep, args, 2, args.seed + 1000, None)
@@ -170,7 +110,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         _bench(dep, args, args.num_requests, args.seed, dep.dir / "bench.json")
         moved = _kv_bytes(dep) - before
         decisions = sample_sum(
-            _get(dep.url + "/metrics"), "pdserve_proxy_routing_decisions_total",
+            dep.metrics(), "pdserve_proxy_routing_decisions_total",
             cache_vs_queue="disagree",
         )  # fmt: skip
     finally:
@@ -190,22 +130,11 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _kv_bytes(dep: Deployment) -> float:
+def _kv_bytes(dep: UpService) -> float:
     return sum(
-        sample_sum(_get(url + "/metrics"), "pdserve_transfer_bytes_sum")
+        sample_sum(dep.metrics(url), "pdserve_transfer_bytes_sum")
         for url in dep.node_urls("prefill")
     )
-
-
-def sample_sum(text: str, name: str, **labels: str) -> float:
-    """The sum of a metric's samples whose labels include `labels` (Prometheus text)."""
-    total = 0.0
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$")
-    for line in text.splitlines():
-        m = pattern.match(line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:

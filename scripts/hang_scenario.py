@@ -23,9 +23,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # pdserve's packages; up_service
 
 import aiohttp  # noqa: E402
+from up_service import UpService  # noqa: E402
 
 from proxy.bench.client import parse_sse_line  # noqa: E402
 
@@ -64,45 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--timeout-s", type=float, default=300.0, help="bound on the whole run")
     return p
-
-
-class Up:
-    """`pdserve up --port 0` in its own process group; stopped by pid."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="pdserve-hang-"))
-        self.log_path = self.dir / "up.log"
-        argv = [sys.executable, "-m", "common.cli", "up", "--port", "0", "--model", args.model,
-                "--decode", "2", "--log-dir", str(self.dir), *args.up_args.split()]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env=env, start_new_session=True)  # fmt: skip
-        self.url, self.pids = "", {}
-        deadline = time.monotonic() + 240
-        while not self.url:
-            text = self.log_path.read_text(errors="replace")
-            m = re.search(r"^pdserve proxy ready: (\S+)", text, re.M)
-            if m:
-                self.url = m.group(1)
-                rows = re.findall(r"^\s+\S+\s+(http://\S+)\s+\(pid (\d+)", text, re.M)
-                self.pids = {url: int(pid) for url, pid in rows}
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"pdserve up did not start:\n{text[-3000:]}")
-            time.sleep(0.3)
-        token = (self.dir / "cluster-token").read_text().strip()
-        self.auth = {"Authorization": f"Bearer {token}"}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 class Stream:
@@ -171,7 +131,7 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]
     return out
 
 
-async def scenario(up: Up, args: argparse.Namespace) -> dict[str, Any]:
+async def scenario(up: UpService, args: argparse.Namespace) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=args.timeout_s, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         model = (await _json(session, f"{up.url}/v1/models", {}))["data"][0]["id"]
@@ -245,7 +205,8 @@ async def scenario(up: Up, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    up = Up(args)
+    out = Path(tempfile.mkdtemp(prefix="pdserve-hang-"))
+    up = UpService(["--model", args.model, "--decode", "2", *args.up_args.split()], out, 240.0)
     try:
         result = asyncio.run(asyncio.wait_for(scenario(up, args), args.timeout_s))
     finally:

@@ -11,6 +11,8 @@
 #   PDSERVE_COLOCATED_URLS     colocated (--role both) nodes instead of the two pools
 #   PDSERVE_SERVED_MODEL_NAME  PDSERVE_MAX_MODEL_LEN  PDSERVE_LEASE_S
 #   PDSERVE_INTERSTAGE_CAPACITY  PDSERVE_LOG_LEVEL
+#   PDSERVE_MAX_ACTIVE_REQUESTS  PDSERVE_EDGE_QUEUE_CAPACITY  PDSERVE_EDGE_DEADLINE_S
+#                              admission at the edge (README: "Overload")
 #   PDSERVE_BIN                the command (default: pdserve; e.g. "python -m common.cli")
 #   PDSERVE_DRY_RUN=1          print the command instead of running it
 set -euo pipefail
@@ -25,6 +27,9 @@ opt PDSERVE_SERVED_MODEL_NAME --served-model-name
 opt PDSERVE_MAX_MODEL_LEN --max-model-len
 opt PDSERVE_LEASE_S --lease-s
 opt PDSERVE_INTERSTAGE_CAPACITY --interstage-capacity
+opt PDSERVE_MAX_ACTIVE_REQUESTS --max-active-requests
+opt PDSERVE_EDGE_QUEUE_CAPACITY --edge-queue-capacity
+opt PDSERVE_EDGE_DEADLINE_S --edge-deadline-s
 opt PDSERVE_LOG_LEVEL --log-level
 
 read -ra bin <<< "${PDSERVE_BIN:-pdserve}"

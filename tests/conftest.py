@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch  # noqa: F401  (its import runs `ldconfig -p`: done here, before the guard below)
 
 from common.text.tokenizer import Tokenizer
 from common.tiny.model import make_tiny_model

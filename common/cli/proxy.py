@@ -42,6 +42,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         lease_s=args.lease_s,
         max_active_requests=args.max_active_requests,
         edge_queue_capacity=args.edge_queue_capacity,
+        edge_deadline_s=args.edge_deadline_s,
         migrate_limit=args.migrate_limit,
         routing=args.routing,
         trace_capacity=args.trace_capacity,

@@ -31,12 +31,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     )
     q = p.add_argument_group("routing and queues")
     q.add_argument("--lease-s", type=float, default=30.0, help="prefill KV lease, extended")
-    q.add_argument(
-        "--max-active-requests", type=int, default=512, help="requests past the edge queue"
-    )
-    q.add_argument(
-        "--edge-queue-capacity", type=int, default=1024, help="waiting requests; beyond: 503"
-    )
+    add_admission_args(q)
     q.add_argument(
         "--migrate-limit",
         type=int,
@@ -45,7 +40,6 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     )
     add_routing_arg(q)
     add_liveness_args(q)
-    q.add_argument("--interstage-capacity", type=int, default=256)
     p.add_argument("--trace-capacity", type=int, default=2048, help="recent request traces kept")
     q.add_argument("--interstage-max-wait-s", type=float, default=300.0)
     q.add_argument("--poll-interval-s", type=float, default=0.5, help="node health/state poll")
@@ -91,6 +85,40 @@ def add_proxy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of node pools")
     add_proxy_args(p)
     p.set_defaults(func=lazy("common.cli.proxy", "cmd_proxy"))
+
+
+def add_admission_args(g: argparse._ActionsContainer) -> None:
+    """Who gets into the pipeline, who waits at the edge, who is refused (proxy and up)."""
+    g.add_argument(
+        "--max-active-requests",
+        type=int,
+        default=512,
+        help="requests inside the pipeline at once (fewer while the decode pool is full): "
+        "%(default)s",
+    )
+    g.add_argument(
+        "--edge-queue-capacity",
+        type=int,
+        default=1024,
+        help="more requests may wait at the edge; the proxy holds max-active-requests + this, "
+        "then answers 503: %(default)s",
+    )
+    g.add_argument(
+        "--edge-deadline-s",
+        type=float,
+        default=60.0,
+        help="the longest a request waits at the edge: one whose estimated wait is longer is "
+        "refused at once (503 + Retry-After); X-Request-Deadline-Ms lowers it per request "
+        "(0: no limit): %(default)s",
+    )
+    g.add_argument(
+        "--interstage-capacity",
+        type=int,
+        default=0,
+        help="requests admitted but not yet taken by a decode node (prefilling or in the "
+        "inter-stage queue); 0: the decode nodes' max-num-seqs summed. Their prompt tokens "
+        "are also bounded by the decode nodes' KV cache: %(default)s",
+    )
 
 
 def add_liveness_args(g: argparse._ActionsContainer) -> None:

@@ -73,7 +73,10 @@ class UpConfig:
     stop_grace_s: float = 20.0
     log_dir: str | None = None  # default: a new temporary directory
     lease_s: float = 30.0
-    interstage_capacity: int = 256
+    max_active_requests: int = 512
+    edge_queue_capacity: int = 1024
+    edge_deadline_s: float = 60.0
+    interstage_capacity: int = 0  # 0: derived from the decode pool
     routing: str = "cost"
     stall_timeout_s: float = NodeTimeouts.stall_s
     silent_after_s: float | None = None
@@ -344,6 +347,9 @@ async def start_service(
         colocated=tuple(n.url for n in nodes if n.role == "both"),
         mode="colocated" if cfg.colocated else "disagg",
         lease_s=cfg.lease_s,
+        max_active_requests=cfg.max_active_requests,
+        edge_queue_capacity=cfg.edge_queue_capacity,
+        edge_deadline_s=cfg.edge_deadline_s,
         interstage_capacity=cfg.interstage_capacity,
         routing=cfg.routing,
         silent_after_s=cfg.silent_after_s,
@@ -496,6 +502,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         demo_prompt=args.demo,
         lease_s=args.lease_s,
+        max_active_requests=args.max_active_requests,
+        edge_queue_capacity=args.edge_queue_capacity,
+        edge_deadline_s=args.edge_deadline_s,
         interstage_capacity=args.interstage_capacity,
         routing=args.routing,
         stall_timeout_s=args.stall_timeout_s,

@@ -6,7 +6,7 @@ import argparse
 
 from common.cli.engine_args import add_engine_args
 from common.cli.lazy import lazy
-from common.cli.proxy_args import add_liveness_args, add_routing_arg
+from common.cli.proxy_args import add_admission_args, add_liveness_args, add_routing_arg
 
 
 def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,7 +44,7 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--log-dir", default=None, help="node logs (default: a new temp dir)")
     p.add_argument("--lease-s", type=float, default=30.0)
-    p.add_argument("--interstage-capacity", type=int, default=256)
+    add_admission_args(p)
     add_routing_arg(p)
     add_liveness_args(p)
     p.add_argument(

@@ -32,6 +32,7 @@ def summary_table(summary: dict[str, Any], rate: float) -> str:
         ("Sent requests", str(summary["sent"])),
         ("Completed requests", str(summary["completed"])),
         ("Failed requests", str(summary["failed"])),
+        ("  of which rejected (HTTP 503/429)", str(summary.get("rejected", 0))),
         ("Peak concurrent requests", str(summary["max_concurrent"])),
         ("Benchmark duration (s)", _num(summary["duration_s"])),
         ("Total input tokens", str(summary["total_input_tokens"])),
@@ -61,7 +62,7 @@ def summary_table(summary: dict[str, Any], rate: float) -> str:
 def sweep_table(runs: list[dict[str, Any]]) -> str:
     """One row per rate of a sweep."""
     head = (
-        f"{'rate':>6} {'done':>5} {'fail':>5} {'req/s':>7} {'tok/s':>8} {'goodput':>8} "
+        f"{'rate':>6} {'done':>5} {'fail':>5} {'rej':>5} {'req/s':>7} {'tok/s':>8} {'goodput':>8} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
     )
     lines = [head]
@@ -69,7 +70,7 @@ def sweep_table(runs: list[dict[str, Any]]) -> str:
         ttft, itl = run["ttft_ms"], run["itl_ms"]
         lines.append(
             f"{rate_label(float(run['config']['rate'])):>6} {run['completed']:>5} "
-            f"{run['failed']:>5} {run['request_throughput']:>7.2f} "
+            f"{run['failed']:>5} {run.get('rejected', 0):>5} {run['request_throughput']:>7.2f} "
             f"{run['output_token_throughput']:>8.1f} {_num(run['goodput']):>8} "
             f"{_num(ttft['p50'], '.1f'):>9} {_num(ttft['p99'], '.1f'):>9} "
             f"{_num(itl['p50'], '.1f'):>8} {_num(itl['p99'], '.1f'):>8}"

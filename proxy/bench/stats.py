@@ -83,6 +83,9 @@ def _rate(count: float, duration_s: float) -> float:
     return count / duration_s if duration_s > 0 else 0.0
 
 
+REJECTED = frozenset({"HTTP 429", "HTTP 503"})  # refused before a response started
+
+
 def summarize(results: list[RequestResult], duration_s: float, slo: Slo) -> dict[str, Any]:
     """Every number of one run (the JSON output less `config`)."""
     ok = [r for r in results if r.ok]
@@ -90,12 +93,15 @@ def summarize(results: list[RequestResult], duration_s: float, slo: Slo) -> dict
     in_tokens = sum(r.prompt_tokens or 0 for r in ok)
     cached_tokens = sum(r.cached_tokens for r in ok)
     good = sum(slo.met(r) for r in ok) if slo.given else None
+    rejected = sum(not r.ok and r.error in REJECTED for r in results)
     summary: dict[str, Any] = {
         "sent": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        "rejected": rejected,
         "duration_s": duration_s,
         "request_throughput": _rate(len(ok), duration_s),
+        "rejected_throughput": _rate(rejected, duration_s),
         "output_token_throughput": _rate(out_tokens, duration_s),
         "total_token_throughput": _rate(in_tokens + out_tokens, duration_s),
         "total_input_tokens": in_tokens,

@@ -24,6 +24,7 @@ class GenerationRequest:
     request_id: str  # unique per request; also the response id and the X-Request-Id
     prompt_token_ids: list[int]  # non-empty, each in [0, vocab), shorter than the context
     sampling: SamplingParams  # max_tokens already fitted to the context
+    patience_s: float | None = None  # X-Request-Deadline-Ms: the longest it may wait at the edge
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,18 @@ class BackendError(ApiError):
     this status and body (and `Retry-After` when `retry_after` is set); after, the stream ends
     with an SSE error event carrying the same body.
     """
+
+    reject_reason: str | None = None  # set when refused before any node saw the request
+
+    @classmethod
+    def rejected(
+        cls, message: str, reason: str, retry_after: float | None = None, code: str = "overloaded"
+    ) -> BackendError:
+        """503, before any compute: the edge (or the backend before its first node call)
+        refuses the request; `reason` labels the refusal in metrics."""
+        error = cls(503, message, type=SERVER_ERROR, code=code, retry_after=retry_after)
+        error.reject_reason = reason
+        return error
 
     @classmethod
     def overloaded(cls, message: str, retry_after: float | None = None) -> BackendError:

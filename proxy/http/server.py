@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -44,6 +45,8 @@ from proxy.http.responses import ApiFormat, ChatFormat, CompletionFormat, Respon
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
+DEADLINE_HEADER = "X-Request-Deadline-Ms"  # the client's patience for admission
+MAX_DEADLINE_MS = 24 * 3600 * 1000
 SSE_HEADERS = {
     hdrs.CONTENT_TYPE: "text/event-stream",
     hdrs.CACHE_CONTROL: "no-cache",
@@ -147,7 +150,10 @@ class ProxyServer:
     ) -> web.StreamResponse:
         events = RequestEvents(self.hooks, rid)
         try:
+            patience_s = read_deadline(request)
             prep = await prepare(await read_json_text(request, self.config.max_body_bytes))
+            if patience_s is not None:
+                prep = replace(prep, generation=replace(prep.generation, patience_s=patience_s))
             self.hooks.on_prepared(rid, prep)
             meta = ResponseMeta(rid, self.model_name, int(time.time()), prep.include_usage)
             return await self._run(request, prep, fmt_cls(meta), events)
@@ -183,6 +189,26 @@ class ProxyServer:
 
 
 # -- request bodies and errors ---------------------------------------------------------------
+
+
+def read_deadline(request: web.Request) -> float | None:
+    """`X-Request-Deadline-Ms` in seconds: how long the client will wait for its request to
+    be admitted into the pipeline (the proxy's edge deadline applies if lower). 400 if it is
+    not a positive number of milliseconds."""
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not 0 < ms <= MAX_DEADLINE_MS:
+        raise invalid_request(
+            f"the {DEADLINE_HEADER} header must be a number of milliseconds in "
+            f"(0, {MAX_DEADLINE_MS}], got {raw[:40]!r}",
+            param=DEADLINE_HEADER,
+        )
+    return ms / 1000
 
 
 async def read_json_text(request: web.Request, max_bytes: int) -> str:

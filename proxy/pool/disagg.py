@@ -31,6 +31,7 @@ from common.wire.node_messages import DecodeRequest, GenerateRequest, PrefillReq
 from common.wire.stage import Stage
 from proxy.http.backend import BackendError, GenerationRequest, NodeLost, TokenChunk, TokenStream
 from proxy.metrics import DisaggMetrics
+from proxy.pool.budget import Limits, PreDecodeBudget
 from proxy.pool.client import GENERATE_PATH, NodeClient, NodeStream, NodeUnreachable
 from proxy.pool.interstage import InterStageQueue, QueueEntry
 from proxy.pool.node_state import Node, Role
@@ -66,6 +67,7 @@ class DisaggBackend:
         config: DisaggConfig | None = None,
         metrics: DisaggMetrics | None = None,
         traces: TraceStore | None = None,
+        budget: PreDecodeBudget | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -73,15 +75,26 @@ class DisaggBackend:
         self.config = config or DisaggConfig()
         self.metrics = metrics
         self.traces = traces or TraceStore(1)
+        self.budget = budget or PreDecodeBudget(lambda: Limits(1 << 30, None))
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
-        self._admit()
+        """The request's stream. It is pre-decode (in `budget`, held by the edge that
+        admitted it) until a decode node takes it; a migration re-enters that stage."""
+        try:
+            self._admit()
+            async with aclosing(self._generate(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.budget.release(req.request_id)
+
+    async def _generate(self, req: GenerationRequest) -> TokenStream:
         emitted: list[int] = []  # token ids yielded so far, over every attempt
         attempt = req
         for migration in range(self.config.migrate_limit + 1):
             try:
-                async with aclosing(self._attempt(attempt)) as chunks:  # closed on every path
-                    async for chunk in chunks:
+                async with aclosing(self._attempt(attempt, req.request_id)) as chunks:
+                    async for chunk in chunks:  # closed on every path
                         emitted += chunk.token_ids
                         yield chunk
                 return
@@ -114,12 +127,16 @@ class DisaggBackend:
                     self.config.migrate_limit,
                 )
                 attempt = continuation(req, emitted, migration + 1)
+                # Already admitted: it re-enters the pre-decode stage without waiting.
+                self.budget.hold(req.request_id, len(attempt.prompt_token_ids))
 
-    async def _attempt(self, req: GenerationRequest) -> TokenStream:
-        """Prefill `req`, yield its first token, queue it for decode and relay the stream."""
+    async def _attempt(self, req: GenerationRequest, budget_id: str) -> TokenStream:
+        """Prefill `req`, yield its first token, queue it for decode and relay the stream;
+        `budget_id` leaves the pre-decode budget once a decode node has taken it."""
         prefill_url, result = await self._prefill(req)
         first = TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens)
         if result.kv is None:
+            self.budget.release(budget_id)
             yield first
             return
         entry = self._enqueue(req, result, prefill_url)
@@ -130,6 +147,7 @@ class DisaggBackend:
         except BaseException:  # GeneratorExit, CancelledError, the entry's BackendError
             self.queue.cancel(entry)
             raise
+        self.budget.release(budget_id)
         self.traces.record(req.request_id, "dispatched", detail=stream.url, stage=Stage.TRANSFER)
         async with aclosing(
             relay(stream, self.client, self.queue, prefill_url, self.traces)
@@ -149,13 +167,15 @@ class DisaggBackend:
         _stalled(self.registry, self.traces, self.metrics, req.request_id, e, "decode")
 
     def _admit(self) -> None:
-        """Refuse, before any prefill, what could only wait: no decode node is up, or the
-        inter-stage queue is full. (Queued requests keep waiting if the pool goes down.)"""
-        retry_after = self.queue.config.retry_after_s
+        """Refuse, before any prefill, what could only wait: no decode node is up. (Queued
+        requests keep waiting if the pool goes down.) Room is the edge's decision."""
         if not self.registry.healthy(Role.DECODE):
-            raise BackendError.unavailable("no healthy decode node", retry_after=retry_after)
-        if self.queue.full():
-            raise BackendError.overloaded("the inter-stage queue is full", retry_after=retry_after)
+            raise BackendError.rejected(
+                "no healthy decode node",
+                "no_decode_node",
+                retry_after=self.queue.config.retry_after_s,
+                code="unavailable",
+            )
 
     async def _prefill(self, req: GenerationRequest) -> tuple[str, PrefillResult]:
         msg = PrefillRequest(

@@ -1,10 +1,11 @@
 """The inter-stage queue: prefilled requests waiting for decode capacity (DESIGN.md §1.3).
 
-A bounded FIFO. One dispatcher task offers the head entry to the decode nodes, most free
-capacity first (`POST /internal/decode`). When every node answers 503 "decode_full", the head
-stays at the head and the dispatcher waits for a capacity signal (`notify_capacity()`: a decode
-stream ended, a node came up) or a short backoff; nothing overtakes it. The waiter
-(`wait(entry)`) gets the accepted stream.
+A FIFO, bounded by the edge: only requests that the pre-decode budget admitted get here
+(`proxy.pool.budget`), so a prefilled request always finds room. One dispatcher task offers
+the head entry to the decode nodes, most free capacity first (`POST /internal/decode`). When
+every node answers 503 "decode_full", the head stays at the head and the dispatcher waits for
+a capacity signal (`notify_capacity()`: a decode stream ended, a node came up) or a short
+backoff; nothing overtakes it. The waiter (`wait(entry)`) gets the accepted stream.
 
 While entries wait, a housekeeping task extends their prefill leases (one `LeaseExtend` per
 prefill node, each entry about every lease/3), fails entries whose lease is gone or whose wait
@@ -92,7 +93,6 @@ class QueueEntry:
 
 @dataclass(frozen=True)
 class InterStageConfig:
-    capacity: int = 256  # entries; a full queue answers 503 + Retry-After
     lease_s: float = 30.0  # the prefill lease asked for, and each extension
     max_wait_s: float = 300.0  # an entry waiting longer fails (503)
     backoff_min_s: float = 0.01  # wait after an all-full round, doubled up to backoff_max_s
@@ -100,8 +100,6 @@ class InterStageConfig:
     retry_after_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.capacity < 1:
-            raise ValueError(f"interstage capacity must be >= 1, got {self.capacity}")
         if not 0 < self.lease_s <= 3600:
             raise ValueError(f"lease_s must be in (0, 3600], got {self.lease_s}")
         if self.max_wait_s <= 0 or not 0 < self.backoff_min_s <= self.backoff_max_s:
@@ -143,18 +141,9 @@ class InterStageQueue:
     def depth(self) -> int:
         return len(self._entries)
 
-    def full(self) -> bool:
-        return len(self._entries) >= self.config.capacity
-
     def submit(self, request: DecodeRequest, prefill_url: str) -> QueueEntry:
-        """Queue a prefilled request; BackendError.overloaded when the queue is full. The
-        caller must end the entry with `wait` or `cancel`."""
-        if self.full():
-            raise BackendError.overloaded(
-                f"the inter-stage queue is full ({self.config.capacity} requests waiting for "
-                "decode capacity)",
-                retry_after=self.config.retry_after_s,
-            )
+        """Queue a prefilled request. The caller must end the entry with `wait` or
+        `cancel`."""
         if request.request_id in self._entries:
             raise ValueError(f"request {request.request_id} is already queued")
         loop = asyncio.get_running_loop()

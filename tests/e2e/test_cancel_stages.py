@@ -65,7 +65,9 @@ def slow_cluster(tiny_model_dir: Path) -> Iterator[tuple[Cluster, Server]]:
         edge_proxy = cluster.start_proxy(
             prefill=[prefill], decode=[decode], max_active_requests=1, edge_queue_capacity=4
         )
-        cluster.start_proxy(prefill=[prefill], decode=[decode])
+        # Room before decode for more than the decode node's one sequence, so that requests
+        # queue on the prefill node (by default the edge would hold them back).
+        cluster.start_proxy(prefill=[prefill], decode=[decode], interstage_capacity=4)
         yield cluster, edge_proxy
     finally:
         cluster.close()

@@ -1,19 +1,32 @@
-"""The edge queue: at most max_active requests inside, a bounded FIFO of waiters, 503 with
-Retry-After beyond it, and waiters that leave (cancelled) without taking a slot."""
+"""The edge: at most max_active requests inside and only what the pre-decode budget has room
+for, a bounded FIFO of waiters, 503 with Retry-After beyond it or beyond a request's
+patience, and waiters that leave (cancelled) without taking a slot."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.edge import EdgeConfig, EdgeMetrics, EdgeQueue
+from proxy.edge import DrainRate, EdgeConfig, EdgeMetrics, EdgeQueue
 from proxy.http.backend import BackendError
+from proxy.pool.budget import Limits, PreDecodeBudget
 
 
-def _queue(max_active: int, capacity: int) -> EdgeQueue:
-    return EdgeQueue(EdgeConfig(max_active, capacity, 2.0), EdgeMetrics(CollectorRegistry()))
+def _queue(
+    max_active: int,
+    capacity: int,
+    budget: PreDecodeBudget | None = None,
+    deadline_s: float = 0.0,
+) -> EdgeQueue:
+    config = EdgeConfig(max_active, capacity, 2.0, deadline_s)
+    return EdgeQueue(config, EdgeMetrics(CollectorRegistry()), budget)
+
+
+def _rejections(edge: EdgeQueue, reason: str) -> float:
+    return edge.metrics.rejections.labels(reason)._value.get()
 
 
 def test_slots_pass_to_waiters_in_order_and_overflow_is_refused() -> None:
@@ -23,7 +36,7 @@ def test_slots_pass_to_waiters_in_order_and_overflow_is_refused() -> None:
         release = {name: asyncio.Event() for name in "abcd"}
 
         async def user(name: str) -> None:
-            async with edge.slot():
+            async with edge.slot(name):
                 order.append(name)
                 await release[name].wait()
 
@@ -31,9 +44,10 @@ def test_slots_pass_to_waiters_in_order_and_overflow_is_refused() -> None:
         await asyncio.sleep(0.01)
         assert order == ["a", "b"] and edge.active == 2 and edge.depth == 2
         with pytest.raises(BackendError) as err:
-            async with edge.slot():
+            async with edge.slot("e"):
                 pass
         assert err.value.status == 503 and err.value.retry_after == 2.0
+        assert err.value.reject_reason == "full" and _rejections(edge, "full") == 1
         release["b"].set()
         await asyncio.sleep(0.01)
         assert order == ["a", "b", "c"] and edge.active == 2 and edge.depth == 1
@@ -50,12 +64,12 @@ def test_a_cancelled_waiter_leaves_without_a_slot() -> None:
         edge = _queue(max_active=1, capacity=4)
         hold = asyncio.Event()
 
-        async def user() -> None:
-            async with edge.slot():
+        async def user(name: str) -> None:
+            async with edge.slot(name):
                 await hold.wait()
 
-        first = asyncio.ensure_future(user())
-        waiter = asyncio.ensure_future(user())
+        first = asyncio.ensure_future(user("a"))
+        waiter = asyncio.ensure_future(user("b"))
         await asyncio.sleep(0.01)
         assert edge.depth == 1
         waiter.cancel()
@@ -65,7 +79,7 @@ def test_a_cancelled_waiter_leaves_without_a_slot() -> None:
         hold.set()
         await first
         assert edge.active == 0
-        async with edge.slot():  # free again
+        async with edge.slot("c"):  # free again
             assert edge.active == 1
 
     asyncio.run(body())
@@ -78,12 +92,12 @@ def test_a_waiter_cancelled_just_as_it_is_handed_the_slot_gives_it_back() -> Non
         tasks: list[asyncio.Task[None]] = []
 
         async def first_holder() -> None:
-            async with edge.slot():
+            async with edge.slot("a"):
                 await hold.wait()
             tasks[1].cancel()  # in the same step as the hand-over, before the waiter runs
 
         async def waiter() -> None:
-            async with edge.slot():
+            async with edge.slot("b"):
                 raise AssertionError("the cancelled waiter must not run")
 
         tasks += [asyncio.ensure_future(first_holder()), asyncio.ensure_future(waiter())]
@@ -96,3 +110,112 @@ def test_a_waiter_cancelled_just_as_it_is_handed_the_slot_gives_it_back() -> Non
         assert edge.active == 0 and edge.depth == 0
 
     asyncio.run(body())
+
+
+def test_a_request_waits_at_the_edge_until_the_pre_decode_stage_has_room() -> None:
+    """The pipeline may have slots left, but a request gets in only when the requests ahead
+    of it have left the pre-decode stage (a decode node took them) far enough: by count and
+    by prompt tokens; an empty stage takes any request."""
+
+    async def body() -> None:
+        limits = Limits(requests=2, tokens=100)
+        budget = PreDecodeBudget(lambda: limits)
+        edge = _queue(max_active=10, capacity=10, budget=budget)
+        inside: list[str] = []
+        done = {name: asyncio.Event() for name in "abcd"}
+
+        async def user(name: str, num_tokens: int) -> None:
+            async with edge.slot(name, num_tokens):
+                inside.append(name)
+                await done[name].wait()
+
+        sizes = {"a": 60, "b": 30, "c": 50, "d": 500}
+        tasks = [asyncio.ensure_future(user(n, t)) for n, t in sizes.items()]
+        await asyncio.sleep(0.01)
+        assert inside == ["a", "b"] and edge.depth == 2  # c's 50 tokens do not fit beside 90
+        assert (budget.requests, budget.tokens) == (2, 90)
+        budget.release("a")  # a decode node took a: its stream goes on, inside the pipeline
+        await asyncio.sleep(0.01)
+        assert inside == ["a", "b", "c"] and edge.active == 3 and budget.tokens == 80
+        for name in "bc":
+            budget.release(name)
+        await asyncio.sleep(0.01)
+        assert inside[-1] == "d"  # 500 tokens: more than the limit, but the stage was empty
+        for event in done.values():
+            event.set()
+        await asyncio.gather(*tasks)
+        assert edge.active == 0 and budget.requests == 0 and budget.tokens == 0
+
+    asyncio.run(body())
+
+
+def test_a_request_whose_estimated_wait_exceeds_its_patience_is_refused_at_once() -> None:
+    async def body() -> None:
+        edge = _queue(max_active=1, capacity=100, deadline_s=30.0)
+        hold = asyncio.Event()
+
+        async def user(name: str, patience_s: float | None = None) -> None:
+            async with edge.slot(name, patience_s=patience_s):
+                await hold.wait()
+
+        first = asyncio.ensure_future(user("a"))
+        waiting = [asyncio.ensure_future(user(f"w{i}")) for i in range(3)]
+        await asyncio.sleep(0.01)
+        assert edge.estimated_wait_s(3) is None  # no drain measured: nobody is refused for it
+        start = time.monotonic() - 8
+        edge.drain = DrainRate()  # as if requests had waited for 8 s, 9 hand-overs in them
+        edge.drain.waiting(start, True)
+        for i in range(9):
+            edge.drain.admitted(start + i)
+        assert edge.estimated_wait_s(3) == pytest.approx(4.0, rel=0.01)
+        with pytest.raises(BackendError) as err:  # 4 s ahead, 2 s of patience
+            await user("impatient", patience_s=2.0)
+        assert err.value.reject_reason == "deadline" and err.value.status == 503
+        assert err.value.headers() == {"Retry-After": "4"}  # the queue ahead drains in ~4 s
+        patient = asyncio.ensure_future(user("patient", patience_s=10.0))
+        await asyncio.sleep(0.01)
+        assert edge.depth == 4 and _rejections(edge, "deadline") == 1
+        hold.set()
+        await asyncio.gather(first, patient, *waiting)
+
+    asyncio.run(body())
+
+
+def test_a_waiter_whose_patience_runs_out_leaves_with_a_503() -> None:
+    async def body() -> None:
+        edge = _queue(max_active=1, capacity=4, deadline_s=0.1)
+        hold = asyncio.Event()
+
+        async def holder() -> None:
+            async with edge.slot("a"):
+                await hold.wait()
+
+        first = asyncio.ensure_future(holder())
+        await asyncio.sleep(0.01)
+        with pytest.raises(BackendError) as err:
+            async with edge.slot("b"):
+                raise AssertionError("never admitted")
+        assert err.value.reject_reason == "expired" and edge.depth == 0
+        assert _rejections(edge, "expired") == 1
+        hold.set()
+        await first
+        assert edge.active == 0
+
+    asyncio.run(body())
+
+
+def test_the_drain_rate_counts_hand_overs_per_second_of_backlog() -> None:
+    drain = DrainRate(window=16, max_age_s=30.0, min_samples=3)
+    assert drain.rate(0.0) is None
+    drain.waiting(0.0, True)
+    for t in (0.0, 0.5, 1.0, 1.5, 2.0):
+        drain.admitted(t)
+    assert drain.rate(2.0) == pytest.approx(2.0)  # 4 gaps in 2 s
+    assert drain.rate(4.0) == pytest.approx(1.0)  # still waiting, nothing admitted: it falls
+    drain.waiting(4.0, False)  # the queue emptied: idle time does not count
+    assert drain.rate(14.0) == pytest.approx(1.0)
+    drain.waiting(14.0, True)  # a new backlog, drained at 4 per second
+    for t in (14.25, 14.5, 14.75, 15.0):
+        drain.admitted(t)
+    assert drain.rate(15.0) == pytest.approx(8 / 5)  # 8 gaps in 5 s of backlog
+    assert drain.rate(45.0) is None  # all older than 30 s

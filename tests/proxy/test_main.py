@@ -3,14 +3,20 @@ OpenAI requests, metrics, overload answers and the admin routes."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import aiohttp
+from prometheus_client import CollectorRegistry
 
 from common.text.tokenizer import Tokenizer
-from proxy.main import start_proxy
+from proxy.main import ProxyParts, start_proxy
 from proxy.settings import ProxySettings
-from tests.support.node_stubs import FAST, StubNode, run, stubs
+from tests.support.node_stubs import FAST, StubNode, eventually, run, stubs
+
+
+def _gauge(metrics: CollectorRegistry, name: str) -> float:
+    return metrics.get_sample_value(name) or 0.0
 
 
 def test_the_proxy_serves_openai_requests_metrics_and_overload(tiny_model_dir: Path) -> None:
@@ -25,12 +31,14 @@ def test_the_proxy_serves_openai_requests_metrics_and_overload(tiny_model_dir: P
                 prefill=(prefill.url,),
                 decode=(decode.url,),
                 interstage_capacity=1,
+                max_active_requests=2,
+                edge_queue_capacity=0,
                 timeouts=FAST,
             )
             proxy = await start_proxy(settings)
             try:
                 async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-                    await _openai_calls(s, proxy.url, tokenizer, decode)
+                    await _openai_calls(s, proxy.url, tokenizer, prefill, decode, proxy.parts)
             finally:
                 await proxy.stop()
 
@@ -38,7 +46,12 @@ def test_the_proxy_serves_openai_requests_metrics_and_overload(tiny_model_dir: P
 
 
 async def _openai_calls(
-    s: aiohttp.ClientSession, url: str, tokenizer: Tokenizer, decode: StubNode
+    s: aiohttp.ClientSession,
+    url: str,
+    tokenizer: Tokenizer,
+    prefill: StubNode,
+    decode: StubNode,
+    parts: ProxyParts,
 ) -> None:
     async with s.get(url + "/health") as r:
         assert r.status == 200
@@ -46,17 +59,28 @@ async def _openai_calls(
     async with s.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
         assert (await r.json())["choices"][0]["text"] == tokenizer.decode([7, 8, 9, 10])
-    decode.max_streams = 0  # full: the next request waits in the one-slot queue
+    decode.max_streams = 0  # full: the next request is prefilled and waits for decode
     waiting = await s.post(url + "/v1/completions", json={**body, "stream": True})
-    assert waiting.status == 200  # its first token is out
+    assert waiting.status == 200  # its first token is out; it holds the pre-decode budget (1)
+    held = asyncio.ensure_future(s.post(url + "/v1/completions", json=body))
+    await eventually(lambda: _gauge(parts.metrics, "pdserve_edge_queue_depth") == 1)
+    # 2 in the proxy: one inside, one waiting at the edge (no room before decode); the next
+    # is refused at once, before any node sees it
+    calls = len(prefill.calls)
     async with s.post(url + "/v1/completions", json=body) as r:
         assert r.status == 503 and r.headers["Retry-After"] == "1"
         assert (await r.json())["error"]["code"] == "overloaded"
+    assert len(prefill.calls) == calls
     async with s.get(url + "/metrics") as r:
         text = await r.text()
     assert "pdserve_interstage_queue_depth 1.0" in text
     assert 'pdserve_proxy_requests_total{endpoint="completions",outcome="length"} 1.0' in text
+    assert 'pdserve_proxy_requests_total{endpoint="completions",outcome="rejected"} 1.0' in text
+    assert 'pdserve_edge_rejections_total{reason="full"} 1.0' in text
     assert "pdserve_proxy_ttft_seconds_count 2.0" in text  # the waiting one has its first
-    waiting.close()
+    decode.max_streams = None  # decode frees up: both finish, the held one admitted in turn
+    async with await held as r:
+        assert r.status == 200
+    assert await waiting.text()
     async with s.get(url + "/admin/nodes") as r:
         assert [n["role"] for n in (await r.json())["nodes"]] == ["prefill", "decode"]

@@ -76,7 +76,8 @@ def test_summary_counts_throughput_and_goodput_against_each_slo() -> None:
     ]
     results[1].usage_reported = False
     s = summarize(results, duration_s=2.0, slo=Slo(ttft_ms=100, tpot_ms=100))
-    assert (s["sent"], s["completed"], s["failed"]) == (5, 4, 1)
+    assert (s["sent"], s["completed"], s["failed"], s["rejected"]) == (5, 4, 1, 1)
+    assert s["rejected_throughput"] == pytest.approx(0.5)  # the 503: refused, not broken
     assert s["request_throughput"] == pytest.approx(2.0)
     assert s["total_output_tokens"] == 31
     assert s["output_token_throughput"] == pytest.approx(15.5)

@@ -156,23 +156,6 @@ def test_an_entry_cancelled_while_offered_drops_the_accepted_stream_on_both_node
     run(body())
 
 
-def test_a_full_queue_answers_overloaded_with_retry_after() -> None:
-    async def body() -> None:
-        prefill, decode = StubNode("prefill"), StubNode("decode")
-        decode.max_streams = 0
-        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,), capacity=2) as stack:
-            entries = [stack.queue.submit(decode_request(n), prefill.url) for n in "ab"]
-            assert stack.queue.full()
-            with pytest.raises(BackendError) as err:
-                stack.queue.submit(decode_request("c"), prefill.url)
-            assert err.value.status == 503 and err.value.code == "overloaded"
-            assert err.value.headers() == {"Retry-After": "1"}
-            for entry in entries:
-                stack.queue.cancel(entry)
-
-    run(body())
-
-
 def test_an_entry_waiting_longer_than_max_wait_fails_unavailable() -> None:
     async def body() -> None:
         prefill, decode = StubNode("prefill"), StubNode("decode")
