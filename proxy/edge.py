@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from common.wire.stage import Stage
 from proxy.http.backend import BackendError, GenerationRequest, TokenBackend, TokenStream
 from proxy.metrics import WAIT_BUCKETS
-from proxy.pool.budget import PreDecodeBudget
+from proxy.pool.budget import Claim, PreDecodeBudget
 from proxy.trace import TraceStore
 
 REJECT_REASONS = ("full", "deadline", "expired")
@@ -137,7 +137,7 @@ class DrainRate:
 @dataclass(eq=False)
 class _Waiter:
     request_id: str
-    num_tokens: int
+    claim: Claim | None  # what it takes from the pre-decode budget
     future: asyncio.Future[None]
 
 
@@ -167,13 +167,17 @@ class EdgeQueue:
 
     @asynccontextmanager
     async def slot(
-        self, request_id: str, num_tokens: int = 0, patience_s: float | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] = (),
+        patience_s: float | None = None,
     ) -> AsyncIterator[None]:
         """Hold a place in the pipeline for the body of the `with`: one of the `max_active`
-        slots, and `num_tokens` of the pre-decode budget until the backend releases them
-        (or the body ends). `patience_s`: the client's own limit on the wait (the lower of
-        it and `deadline_s` applies)."""
-        await self._acquire(request_id, num_tokens, self._patience(patience_s))
+        slots, and the prompt's claim on the pre-decode budget until the backend releases
+        it (or the body ends). `patience_s`: the client's own limit on the wait (the lower
+        of it and `deadline_s` applies)."""
+        claim = self.budget.claim(prompt_token_ids) if self.budget is not None else None
+        await self._acquire(request_id, claim, self._patience(patience_s))
         try:
             yield
         finally:
@@ -191,10 +195,10 @@ class EdgeQueue:
             if head.future.done():  # cancelled or expired, not yet removed
                 self._waiters.popleft()
                 continue
-            if not self._fits(head.num_tokens):
+            if not self._fits(head.claim):
                 break
             self._waiters.popleft()
-            self._enter(head.request_id, head.num_tokens)
+            self._enter(head.request_id, head.claim)
             self.drain.admitted(time.monotonic())
             head.future.set_result(None)
         self._update()
@@ -205,20 +209,20 @@ class EdgeQueue:
         limits = [p for p in (self.config.deadline_s, patience_s) if p is not None and p > 0]
         return min(limits) if limits else None
 
-    def _fits(self, num_tokens: int) -> bool:
+    def _fits(self, claim: Claim | None) -> bool:
         if self._active >= self.config.max_active:
             return False
-        return self.budget is None or self.budget.fits(num_tokens)
+        return self.budget is None or claim is None or self.budget.fits(claim)
 
-    def _enter(self, request_id: str, num_tokens: int) -> None:
+    def _enter(self, request_id: str, claim: Claim | None) -> None:
         self._active += 1
-        if self.budget is not None:
-            self.budget.hold(request_id, num_tokens)
+        if self.budget is not None and claim is not None:
+            self.budget.hold(request_id, claim)
 
-    async def _acquire(self, request_id: str, num_tokens: int, patience: float | None) -> None:
+    async def _acquire(self, request_id: str, claim: Claim | None, patience: float | None) -> None:
         arrived = time.monotonic()
-        if not self._waiters and self._fits(num_tokens):
-            self._enter(request_id, num_tokens)
+        if not self._waiters and self._fits(claim):
+            self._enter(request_id, claim)
             self._admitted(arrived)
             return
         ahead = len(self._waiters)
@@ -235,7 +239,7 @@ class EdgeQueue:
                 f"the estimated wait for admission ({wait:.1f} s, {ahead} requests ahead) "
                 f"exceeds the request's deadline ({patience:g} s)",
             )
-        waiter = _Waiter(request_id, num_tokens, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(request_id, claim, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._update()
         try:
@@ -300,8 +304,7 @@ class EdgeGatedBackend:
         self.traces = traces
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
-        num_tokens = len(req.prompt_token_ids)
-        async with self.edge.slot(req.request_id, num_tokens, req.patience_s):
+        async with self.edge.slot(req.request_id, req.prompt_token_ids, req.patience_s):
             if self.traces is not None:
                 self.traces.record(req.request_id, "edge admitted", stage=Stage.PREFILL)
             async with aclosing(self.inner.generate(req)) as chunks:

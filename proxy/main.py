@@ -30,7 +30,7 @@ from proxy.http.backend import TokenBackend
 from proxy.http.server import HealthCheck, ProxyConfig, build_app, make_runner
 from proxy.metrics import DisaggMetrics, InterStageMetrics, ProxyMetrics, metrics_handler
 from proxy.pool.admin import AdminRoutes
-from proxy.pool.budget import PreDecodeBudget, decode_limits
+from proxy.pool.budget import PreDecodeBudget, pipeline_limits, uncached_tokens
 from proxy.pool.client import NodeClient
 from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
 from proxy.pool.interstage import InterStageConfig, InterStageQueue
@@ -82,7 +82,8 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
             registry.add(url, role)
     budget = None
     if not settings.colocated_mode:
-        budget = PreDecodeBudget(decode_limits(registry, settings.interstage_capacity))
+        limits = pipeline_limits(registry, settings.interstage_capacity, settings.prefill_backlog_s)
+        budget = PreDecodeBudget(limits, uncached_tokens(registry))
     queue, backend = _backend(settings, registry, client, metrics, traces, budget)
     edge_config = EdgeConfig(
         settings.max_active_requests,

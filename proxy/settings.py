@@ -33,6 +33,7 @@ class ProxySettings:
     routing: str = "cost"  # prefill placement policy (proxy/pool/router.py)
     trace_capacity: int = 2048  # recent requests whose traces GET /debug/requests/{id}/trace has
     interstage_capacity: int = 0  # pre-decode requests; 0: the decode nodes' max_num_seqs
+    prefill_backlog_s: float = 2.0  # prefill work admitted ahead, in seconds (0: no limit)
     interstage_max_wait_s: float = 300.0
     poll_interval_s: float = 0.5
     silent_after_s: float | None = None  # no good poll this long: no new work (None: default)
@@ -62,8 +63,10 @@ class ProxySettings:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
-        if self.interstage_capacity < 0 or self.edge_deadline_s < 0:
-            raise ValueError("interstage_capacity and edge_deadline_s must be >= 0 (0: default)")
+        if min(self.interstage_capacity, self.edge_deadline_s, self.prefill_backlog_s) < 0:
+            raise ValueError(
+                "interstage_capacity, edge_deadline_s and prefill_backlog_s must be >= 0"
+            )
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
 

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                str(args.decode), "--edge-deadline-s", str(args.edge_deadline_s),
                *args.up_args.split()]  # fmt: skip
     with UpService(up_args, args.out / "service", args.startup_timeout_s) as up:
-        run(up, args, "warmup", 4, "inf")
+        run(up, args, "warmup", min(32, args.capacity_requests), "inf")  # kernels, caches
         capacity = run(up, args, "capacity", args.capacity_requests, "inf")
         c = capacity["completed_per_s"]
         rows = []

@@ -47,6 +47,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         routing=args.routing,
         trace_capacity=args.trace_capacity,
         interstage_capacity=args.interstage_capacity,
+        prefill_backlog_s=args.prefill_backlog_s,
         interstage_max_wait_s=args.interstage_max_wait_s,
         poll_interval_s=args.poll_interval_s,
         silent_after_s=args.silent_after_s,

@@ -119,6 +119,14 @@ def add_admission_args(g: argparse._ActionsContainer) -> None:
         "inter-stage queue); 0: the decode nodes' max-num-seqs summed. Their prompt tokens "
         "are also bounded by the decode nodes' KV cache: %(default)s",
     )
+    g.add_argument(
+        "--prefill-backlog-s",
+        type=float,
+        default=2.0,
+        help="prefill work admitted ahead of the prefill pool, in seconds at its measured "
+        "rate (the rest waits at the edge, where the deadline applies; 0: no limit): "
+        "%(default)s",
+    )
 
 
 def add_liveness_args(g: argparse._ActionsContainer) -> None:

@@ -77,6 +77,7 @@ class UpConfig:
     edge_queue_capacity: int = 1024
     edge_deadline_s: float = 60.0
     interstage_capacity: int = 0  # 0: derived from the decode pool
+    prefill_backlog_s: float = 2.0
     routing: str = "cost"
     stall_timeout_s: float = NodeTimeouts.stall_s
     silent_after_s: float | None = None
@@ -351,6 +352,7 @@ async def start_service(
         edge_queue_capacity=cfg.edge_queue_capacity,
         edge_deadline_s=cfg.edge_deadline_s,
         interstage_capacity=cfg.interstage_capacity,
+        prefill_backlog_s=cfg.prefill_backlog_s,
         routing=cfg.routing,
         silent_after_s=cfg.silent_after_s,
         timeouts=NodeTimeouts(stall_s=cfg.stall_timeout_s),
@@ -506,6 +508,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         edge_queue_capacity=args.edge_queue_capacity,
         edge_deadline_s=args.edge_deadline_s,
         interstage_capacity=args.interstage_capacity,
+        prefill_backlog_s=args.prefill_backlog_s,
         routing=args.routing,
         stall_timeout_s=args.stall_timeout_s,
         silent_after_s=args.silent_after_s,

@@ -1,25 +1,32 @@
 """The pre-decode budget: how much work may be between the edge and the decode pool.
 
 A disaggregated request is *pre-decode* from the moment the edge admits it until a decode
-node takes it (its decode stream is accepted), or it ends: it is prefilling, or prefilled and
-waiting in the inter-stage queue with its KV held on a prefill node. The edge admits a request
-only while the pre-decode stage has room for it, so prefill never computes KV that the
-pipeline cannot carry on to decode, and a prefilled request is never refused for lack of
-queue room; everything else waits at the edge.
+node takes it (its decode stream is accepted), or it ends: it is prefilling (queued on or
+computed by a prefill node), or prefilled and waiting in the inter-stage queue with its KV
+held on a prefill node. The edge admits a request only while the pre-decode stage has room
+for it, so prefill never computes KV that the pipeline cannot carry on to decode, a prefilled
+request is never refused for lack of queue room, and a request does not sit in a prefill
+node's queue longer than the backlog horizon; everything else waits at the edge, where its
+deadline applies.
 
-The room follows the decode pool (`decode_limits`): at most as many requests as the healthy
-decode nodes run at once (the sum of their `max_num_seqs`, or a configured number) and at most
-as many prompt tokens as their KV caches hold. That is one refill of the decode pool waiting,
-prefilled, while it works; more would only hold prefill memory longer. An empty stage takes
-any one request, however large, so nothing waits for room that cannot appear.
+The room (`pipeline_limits`) follows the pools:
 
-`hold`/`release` are keyed by request id and idempotent; every release tells the listeners
-(the edge admits its next waiter).
+- requests: as many as the healthy decode nodes run at once (their `max_num_seqs` summed; or
+  a configured number): one refill of the decode pool waiting while it works;
+- prompt tokens: as many as the decode nodes' KV caches hold;
+- prompt tokens still to prefill (less what the best prefill node has cached): the prefill
+  nodes' measured rates summed, times `backlog_s` (unlimited until a rate is measured).
+
+An empty stage takes any one request, however large, and a stage with nothing left to prefill
+takes any one prefill, so nothing waits for room that cannot appear.
+
+`hold`/`prefilled`/`release` are keyed by request id and idempotent; each that frees room
+tells the listeners (the edge admits its next waiter).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from proxy.pool.node_state import Role
@@ -29,18 +36,29 @@ from proxy.pool.registry import NodeRegistry
 @dataclass(frozen=True)
 class Limits:
     requests: int
-    tokens: int | None  # None: not known (no decode node has reported its KV size)
+    tokens: int | None  # None: unknown (no decode node has reported its KV size)
+    prefill_tokens: int | None = None  # None: no limit (no rate measured, or none set)
 
-    def describe(self) -> str:
-        tokens = "unknown" if self.tokens is None else f"{self.tokens}"
-        return f"{self.requests} requests, {tokens} prompt tokens"
+
+@dataclass(frozen=True)
+class Claim:
+    """What one request takes from the budget."""
+
+    tokens: int  # its prompt: KV a decode node will hold
+    prefill_tokens: int  # of those, the ones a prefill node must compute
 
 
 class PreDecodeBudget:
-    def __init__(self, limits: Callable[[], Limits]) -> None:
+    def __init__(
+        self,
+        limits: Callable[[], Limits],
+        uncached: Callable[[Sequence[int]], int] | None = None,
+    ) -> None:
         self.limits = limits
-        self._held: dict[str, int] = {}  # request id -> prompt tokens
-        self._tokens = 0
+        self._uncached = uncached or len
+        self._held: dict[str, Claim] = {}
+        self._prefilling: set[str] = set()
+        self._tokens = self._prefill_tokens = 0
         self._listeners: list[Callable[[], None]] = []
 
     @property
@@ -51,36 +69,75 @@ class PreDecodeBudget:
     def tokens(self) -> int:
         return self._tokens
 
+    @property
+    def prefill_tokens(self) -> int:
+        return self._prefill_tokens
+
     def add_listener(self, listener: Callable[[], None]) -> None:
-        """`listener()` is called after every release: there may be room now."""
+        """`listener()` is called whenever room is freed."""
         self._listeners.append(listener)
 
-    def fits(self, num_tokens: int) -> bool:
+    def claim(self, prompt_token_ids: Sequence[int]) -> Claim:
+        """The claim of a prompt, with its prefill work estimated now (the prefix the best
+        prefill node has cached is not work)."""
+        n = len(prompt_token_ids)
+        return Claim(n, max(1, min(n, self._uncached(prompt_token_ids))))
+
+    def fits(self, claim: Claim) -> bool:
         if not self._held:
             return True
         limits = self.limits()
         if len(self._held) >= limits.requests:
             return False
-        return limits.tokens is None or self._tokens + num_tokens <= limits.tokens
+        if limits.tokens is not None and self._tokens + claim.tokens > limits.tokens:
+            return False
+        return (
+            limits.prefill_tokens is None
+            or not self._prefilling
+            or self._prefill_tokens + claim.prefill_tokens <= limits.prefill_tokens
+        )
 
-    def hold(self, request_id: str, num_tokens: int) -> None:
-        """Count `request_id` as pre-decode with `num_tokens` (replacing what it held)."""
-        self._tokens += num_tokens - self._held.get(request_id, 0)
-        self._held[request_id] = num_tokens
+    def hold(self, request_id: str, claim: Claim) -> None:
+        """Count `request_id` as pre-decode and still to prefill (replacing what it held)."""
+        self._drop(request_id)
+        self._held[request_id] = claim
+        self._prefilling.add(request_id)
+        self._tokens += claim.tokens
+        self._prefill_tokens += claim.prefill_tokens
+
+    def prefilled(self, request_id: str) -> None:
+        """`request_id`'s prefill is done: it no longer counts as prefill work."""
+        if request_id in self._prefilling:
+            self._prefilling.discard(request_id)
+            self._prefill_tokens -= self._held[request_id].prefill_tokens
+            self._notify()
 
     def release(self, request_id: str) -> None:
         """`request_id` left the pre-decode stage (a no-op if it was not in it)."""
-        num_tokens = self._held.pop(request_id, None)
-        if num_tokens is None:
-            return
-        self._tokens -= num_tokens
+        if self._drop(request_id):
+            self._notify()
+
+    def _drop(self, request_id: str) -> bool:
+        claim = self._held.pop(request_id, None)
+        if claim is None:
+            return False
+        self._tokens -= claim.tokens
+        if request_id in self._prefilling:
+            self._prefilling.discard(request_id)
+            self._prefill_tokens -= claim.prefill_tokens
+        return True
+
+    def _notify(self) -> None:
         for listener in self._listeners:
             listener()
 
 
-def decode_limits(registry: NodeRegistry, max_requests: int = 0) -> Callable[[], Limits]:
-    """Limits from the healthy decode nodes' last `/state`: their `max_num_seqs` summed (or
-    `max_requests` when > 0) and their KV caches' tokens summed."""
+def pipeline_limits(
+    registry: NodeRegistry, max_requests: int = 0, backlog_s: float = 0.0
+) -> Callable[[], Limits]:
+    """Limits from the healthy nodes' last `/state`: the decode nodes' `max_num_seqs` summed
+    (or `max_requests` when > 0) and their KV caches' tokens summed; the prefill nodes'
+    measured prefill rates summed times `backlog_s` (0: no prefill limit)."""
 
     def limits() -> Limits:
         seqs = kv_tokens = 0
@@ -95,7 +152,29 @@ def decode_limits(registry: NodeRegistry, max_requests: int = 0) -> Callable[[],
             if total > 0:
                 kv_tokens += total * cap.block_size
                 known = True
+        rates = [
+            n.state.prefill_tokens_per_s if n.state is not None else None
+            for n in registry.healthy(Role.PREFILL)
+        ]
+        prefill = None
+        if backlog_s > 0 and rates and all(r is not None and r > 0 for r in rates):
+            prefill = max(1, int(backlog_s * sum(r for r in rates if r is not None)))
         requests = max_requests if max_requests > 0 else max(seqs, 1)
-        return Limits(requests, kv_tokens if known else None)
+        return Limits(requests, kv_tokens if known else None, prefill)
 
     return limits
+
+
+def uncached_tokens(registry: NodeRegistry) -> Callable[[Sequence[int]], int]:
+    """A prompt's tokens less the longest prefix a healthy prefill node has cached (as the
+    proxy's KV index knows it)."""
+
+    def uncached(prompt_token_ids: Sequence[int]) -> int:
+        index = registry.index
+        nodes = registry.healthy(Role.PREFILL)
+        if index is None or not nodes:
+            return len(prompt_token_ids)
+        best = max(index.matched_tokens(n, prompt_token_ids) for n in nodes)
+        return len(prompt_token_ids) - best
+
+    return uncached

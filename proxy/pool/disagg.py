@@ -31,7 +31,7 @@ from common.wire.node_messages import DecodeRequest, GenerateRequest, PrefillReq
 from common.wire.stage import Stage
 from proxy.http.backend import BackendError, GenerationRequest, NodeLost, TokenChunk, TokenStream
 from proxy.metrics import DisaggMetrics
-from proxy.pool.budget import Limits, PreDecodeBudget
+from proxy.pool.budget import Claim, Limits, PreDecodeBudget
 from proxy.pool.client import GENERATE_PATH, NodeClient, NodeStream, NodeUnreachable
 from proxy.pool.interstage import InterStageQueue, QueueEntry
 from proxy.pool.node_state import Node, Role
@@ -128,12 +128,14 @@ class DisaggBackend:
                 )
                 attempt = continuation(req, emitted, migration + 1)
                 # Already admitted: it re-enters the pre-decode stage without waiting.
-                self.budget.hold(req.request_id, len(attempt.prompt_token_ids))
+                n = len(attempt.prompt_token_ids)
+                self.budget.hold(req.request_id, Claim(n, n))
 
     async def _attempt(self, req: GenerationRequest, budget_id: str) -> TokenStream:
         """Prefill `req`, yield its first token, queue it for decode and relay the stream;
         `budget_id` leaves the pre-decode budget once a decode node has taken it."""
         prefill_url, result = await self._prefill(req)
+        self.budget.prefilled(budget_id)
         first = TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens)
         if result.kv is None:
             self.budget.release(budget_id)

@@ -1,4 +1,5 @@
-"""Issue 4 acceptance: the disaggregated service end to end, real processes on loopback."""
+"""Issue 4 acceptance: the disaggregated service end to end, real processes on loopback;
+issue 18's bursts (admission at the edge) on the 1P1D cluster."""
 
 from __future__ import annotations
 
@@ -6,16 +7,19 @@ import asyncio
 import random
 import re
 import urllib.error
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 
 from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
 from common.wire.sampling_params import SamplingParams
-from tests.support.cluster import Cluster, start_cluster
+from tests.support.aclient import metric
+from tests.support.cluster import Cluster, Server, start_cluster
 from tests.support.http import http_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -162,6 +166,103 @@ def test_concurrent_mixed_requests_match_offline_and_free_every_block(
     cluster.wait_baseline()
 
 
+MAX_ACTIVE, EDGE_CAPACITY = 512, 1024  # the proxy's defaults: the advertised capacity
+BODY = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+Answer = tuple[int, str | None, str | None]  # status, error code and message's start
+
+
+async def _one(session: aiohttp.ClientSession, url: str) -> Answer:
+    async with session.post(f"{url}/v1/completions", json=BODY) as resp:
+        body = await resp.json(content_type=None)
+        if resp.status == 200:
+            return 200, None, None
+        assert resp.headers.get("Retry-After"), body
+        return resp.status, body["error"]["code"], body["error"]["message"][:40]
+
+
+async def _counters(session: aiohttp.ClientSession, proxy: str, prefill: str) -> Counter[str]:
+    """The counters a burst moves: what the prefill node computed, what the edge did."""
+    return Counter(
+        {
+            "prefilled": await metric(session, prefill, "pdserve_node_requests_total"),
+            "admitted": await metric(
+                session, proxy, "pdserve_edge_exits_total", outcome="admitted"
+            ),
+            "rejected": await metric(
+                session, proxy, "pdserve_proxy_requests_total", outcome="rejected"
+            ),
+            "at_edge": await metric(session, proxy, "pdserve_edge_rejections_total"),
+            "completed": await metric(
+                session, proxy, "pdserve_proxy_requests_total", outcome="length"
+            ),
+            "failed": await metric(
+                session, proxy, "pdserve_proxy_requests_total", outcome="server_error"
+            ),
+            "cancelled": await metric(
+                session, proxy, "pdserve_proxy_requests_total", outcome="cancelled"
+            ),
+        }
+    )
+
+
+def _burst(cluster: Cluster, n: int) -> tuple[list[Answer], Counter[str]]:
+    """`n` requests sent at once; their answers, and how far each counter moved."""
+    assert cluster.proxy is not None
+    proxy = cluster.proxy.url
+    prefill = _node(cluster, "prefill").url
+
+    async def main() -> tuple[list[Answer], Counter[str]]:
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=180)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            before = await _counters(session, proxy, prefill)
+            answers = await asyncio.gather(*(_one(session, proxy) for _ in range(n)))
+            after = await _counters(session, proxy, prefill)
+        moved = Counter({k: after[k] - before[k] for k in after})
+        return answers, moved
+
+    return asyncio.run(main())
+
+
+def test_a_burst_of_600_is_served_whole_from_the_edge_queue(
+    cluster: Cluster, request: pytest.FixtureRequest
+) -> None:
+    """Issue 18: 600 at once is more than the pipeline holds (the decode node's 64 sequences,
+    as many waiting prefilled) but well inside the advertised capacity: all of it completes."""
+    _only_on(request, "1p1d")
+    answers, moved = _burst(cluster, 600)
+    assert Counter(status for status, _, _ in answers) == {200: 600}
+    assert moved["prefilled"] == moved["admitted"] == moved["completed"] == 600
+    assert moved["rejected"] == moved["failed"] == 0
+    cluster.wait_baseline(timeout=30)
+
+
+def test_a_burst_beyond_capacity_is_refused_at_the_edge_only_for_the_excess(
+    cluster: Cluster, request: pytest.FixtureRequest
+) -> None:
+    """Issue 18: 2,000 at once: at least the advertised capacity (max active + edge queue)
+    completes; the rest get 503 + Retry-After at the edge, before any node saw them: the
+    prefill node computed exactly the requests that completed, none was refused after its
+    prefill."""
+    _only_on(request, "1p1d")
+    answers, moved = _burst(cluster, 2000)
+    statuses = Counter(status for status, _, _ in answers)
+    refused = [a for a in answers if a[0] != 200]
+    assert statuses[200] >= MAX_ACTIVE + EDGE_CAPACITY, Counter(answers)
+    assert {(status, code) for status, code, _ in refused} == {(503, "overloaded")}
+    assert moved["prefilled"] == moved["admitted"] == moved["completed"] == statuses[200]
+    # the metrics add up: admitted = completed + cancelled + failed; refused = rejected
+    assert moved["admitted"] == moved["completed"] + moved["cancelled"] + moved["failed"]
+    assert moved["rejected"] == moved["at_edge"] == len(refused)
+    cluster.wait_baseline(timeout=30)
+
+
+def _node(cluster: Cluster, role: str) -> Server:
+    return next(p for p in cluster.nodes() if p.name.startswith(role))
+
+
 def test_full_decode_pool_queues_then_completes(
     cluster_factory: Callable[..., Cluster], tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
@@ -199,18 +300,27 @@ def test_full_decode_pool_queues_then_completes(
 
 
 def test_node_with_other_fingerprint_is_refused(
-    cluster_factory: Callable[..., Cluster],
+    cluster: Cluster, request: pytest.FixtureRequest
 ) -> None:
-    cluster = cluster_factory((1, 1, 0))
+    _only_on(request, "1p1d")
     assert cluster.proxy is not None
     other = cluster.node("decode", "decode-bf16", dtype="bfloat16")
-    with pytest.raises(urllib.error.HTTPError) as err:
-        http_json(f"{cluster.proxy.url}/admin/nodes", {"url": other.url, "role": "decode"})
-    assert 400 <= err.value.code < 500
-    assert "fingerprint" in err.value.read().decode().lower()
-    listed = http_json(f"{cluster.proxy.url}/admin/nodes")
-    urls = [n["url"] for n in (listed["nodes"] if isinstance(listed, dict) else listed)]
-    assert other.url not in urls
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            http_json(f"{cluster.proxy.url}/admin/nodes", {"url": other.url, "role": "decode"})
+        assert 400 <= err.value.code < 500
+        assert "fingerprint" in err.value.read().decode().lower()
+        listed = http_json(f"{cluster.proxy.url}/admin/nodes")
+        urls = [n["url"] for n in (listed["nodes"] if isinstance(listed, dict) else listed)]
+        assert other.url not in urls
+    finally:
+        other.stop()
+
+
+def _only_on(request: pytest.FixtureRequest, topology: str) -> None:
+    """Run a test on one of the module's clusters only (it needs no other)."""
+    if request.node.callspec.params["cluster"] != topology:
+        pytest.skip(f"runs on the {topology} cluster")
 
 
 def _metric(url: str, name: str) -> float:

@@ -125,7 +125,7 @@ def test_a_request_waits_at_the_edge_until_the_pre_decode_stage_has_room() -> No
         done = {name: asyncio.Event() for name in "abcd"}
 
         async def user(name: str, num_tokens: int) -> None:
-            async with edge.slot(name, num_tokens):
+            async with edge.slot(name, [7] * num_tokens):
                 inside.append(name)
                 await done[name].wait()
 
@@ -145,6 +145,40 @@ def test_a_request_waits_at_the_edge_until_the_pre_decode_stage_has_room() -> No
             event.set()
         await asyncio.gather(*tasks)
         assert edge.active == 0 and budget.requests == 0 and budget.tokens == 0
+
+    asyncio.run(body())
+
+
+def test_prefill_work_beyond_the_backlog_horizon_waits_at_the_edge() -> None:
+    """Prompt tokens still to prefill (less what a prefill node has cached) are bounded; a
+    request counts until its prefill is done, though it stays pre-decode after."""
+
+    async def body() -> None:
+        limits = Limits(requests=10, tokens=None, prefill_tokens=100)
+        budget = PreDecodeBudget(lambda: limits, lambda ids: len(ids) - 60 * (ids[0] == 0))
+        edge = _queue(max_active=10, capacity=10, budget=budget)
+        inside: list[str] = []
+        done = asyncio.Event()
+
+        async def user(name: str, prompt: list[int]) -> None:
+            async with edge.slot(name, prompt):
+                inside.append(name)
+                await done.wait()
+
+        tasks = [asyncio.ensure_future(user("a", [1] * 80))]
+        tasks.append(asyncio.ensure_future(user("b", [1] * 40)))  # 80 + 40 > 100: waits
+        await asyncio.sleep(0.01)
+        assert inside == ["a"] and budget.prefill_tokens == 80
+        budget.prefilled("a")  # a's first token is out: its KV waits for decode
+        await asyncio.sleep(0.01)
+        assert inside == ["a", "b"] and (budget.requests, budget.prefill_tokens) == (2, 40)
+        tasks.append(asyncio.ensure_future(user("c", [0] * 90)))  # 60 cached: 30 to compute
+        await asyncio.sleep(0.01)
+        assert inside == ["a", "b", "c"] and budget.prefill_tokens == 70
+        assert budget.tokens == 80 + 40 + 90  # the decode side counts whole prompts
+        done.set()
+        await asyncio.gather(*tasks)
+        assert (budget.requests, budget.tokens, budget.prefill_tokens) == (0, 0, 0)
 
     asyncio.run(body())
 

@@ -82,6 +82,7 @@ class StubNode:
         self.hold_streams = False  # streams wait for `release(request_id)` before tokens
         self.accept_delay = 0.0  # decode: seconds before answering (full or accepted)
         self.step_time_max_s: float | None = None  # reported in /state
+        self.prefill_tokens_per_s: float | None = None  # reported in /state
         # hang(): like SIGSTOP, connections are accepted but nothing answers or streams
         self._running = asyncio.Event()
         self._running.set()
@@ -162,6 +163,7 @@ class StubNode:
                 },
                 "queued_prefill_tokens": self.queued_prefill_tokens,
                 "step_time_max_s": self.step_time_max_s,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s,
             }
         )
 

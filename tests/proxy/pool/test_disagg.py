@@ -10,7 +10,7 @@ import pytest
 from common.wire.node_messages import DecodeRequest, PrefillRequest
 from common.wire.sampling_params import SamplingParams
 from proxy.http.backend import BackendError, GenerationRequest, TokenChunk
-from proxy.pool.budget import Limits, PreDecodeBudget, decode_limits
+from proxy.pool.budget import Claim, Limits, PreDecodeBudget, pipeline_limits
 from proxy.pool.client import NodeClient
 from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
 from proxy.pool.registry import NodeRegistry, RegistryConfig
@@ -188,24 +188,29 @@ def test_a_request_holds_the_pre_decode_budget_until_a_decode_node_takes_it() ->
         prefill, decode = StubNode("prefill"), StubNode("decode")
         decode.max_streams, decode.hold_streams = 0, True
         async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
-            budget = PreDecodeBudget(decode_limits(stack.registry))
+            budget = PreDecodeBudget(pipeline_limits(stack.registry, backlog_s=2.0))
             released: list[int] = []
             budget.add_listener(lambda: released.append(budget.requests))
             backend = DisaggBackend(stack.registry, stack.client, stack.queue, budget=budget)
-            budget.hold("req-1", 3)  # as the edge does when it admits the request
+            budget.hold("req-1", Claim(3, 3))  # as the edge does when it admits the request
             stream = backend.generate(_request())
             assert await asyncio.wait_for(anext(stream), 1.0) == TokenChunk([7], None, 0)
             waiting = asyncio.ensure_future(anext(stream))
             await asyncio.sleep(0.1)
             assert stack.queue.depth == 1 and budget.requests == 1  # prefilled, queued: held
+            assert budget.prefill_tokens == 0 and released == [1]  # no longer prefill work
             decode.max_streams = None
             stack.queue.notify_capacity()
             await eventually(lambda: decode.accepted == ["req-1"], what="decode accepted")
-            await eventually(lambda: released == [0], what="released on acceptance")
+            await eventually(lambda: released == [1, 0], what="released on acceptance")
             decode.release("req-1")
             assert await waiting == TokenChunk([8])
             await stream.aclose()
-            assert released == [0]  # the end released nothing more
-            assert budget.limits() == Limits(requests=8, tokens=100 * 16)  # the stub's /state
+            assert released == [1, 0]  # the end released nothing more
+            # the stub's /state: 8 sequences, 100 blocks of 16; no prefill rate measured
+            assert budget.limits() == Limits(requests=8, tokens=100 * 16, prefill_tokens=None)
+            prefill.prefill_tokens_per_s = 300.0
+            await stack.registry.poll_all()
+            assert budget.limits().prefill_tokens == 600  # 2 s of the measured rate
 
     run(body())
