@@ -92,7 +92,20 @@ class EdgeMetrics:
             self.rejections.labels(reason)
         self.drain_rate = Gauge(
             "pdserve_edge_drain_rate",
-            "Waiters admitted per second lately (0: not measured).",
+            "Waiters admitted per second of backlog lately (0: not measured).",
+            registry=registry,
+        )
+        self.predecode = Gauge(
+            "pdserve_edge_predecode",
+            "Admitted and not yet taken by a decode node: requests, prompt tokens, and prompt "
+            "tokens still to prefill.",
+            ["what"],
+            registry=registry,
+        )
+        self.predecode_limit = Gauge(
+            "pdserve_edge_predecode_limit",
+            "The pre-decode budget's limits now (-1: none).",
+            ["what"],
             registry=registry,
         )
 
@@ -291,6 +304,15 @@ class EdgeQueue:
         self.metrics.depth.set(len(self._waiters))
         self.metrics.active.set(self._active)
         self.metrics.drain_rate.set(self.drain.rate(now) or 0.0)
+        if self.budget is not None:
+            budget, limits = self.budget, self.budget.limits()
+            for what, used, limit in (
+                ("requests", budget.requests, limits.requests),
+                ("tokens", budget.tokens, limits.tokens),
+                ("prefill_tokens", budget.prefill_tokens, limits.prefill_tokens),
+            ):
+                self.metrics.predecode.labels(what).set(used)
+                self.metrics.predecode_limit.labels(what).set(-1 if limit is None else limit)
 
 
 class EdgeGatedBackend:

@@ -77,6 +77,9 @@ async def _openai_calls(
     assert 'pdserve_proxy_requests_total{endpoint="completions",outcome="length"} 1.0' in text
     assert 'pdserve_proxy_requests_total{endpoint="completions",outcome="rejected"} 1.0' in text
     assert 'pdserve_edge_rejections_total{reason="full"} 1.0' in text
+    assert 'pdserve_edge_predecode{what="requests"} 1.0' in text  # prefilled, not decoding
+    assert 'pdserve_edge_predecode{what="prefill_tokens"} 0.0' in text
+    assert 'pdserve_edge_predecode_limit{what="requests"} 1.0' in text
     assert "pdserve_proxy_ttft_seconds_count 2.0" in text  # the waiting one has its first
     decode.max_streams = None  # decode frees up: both finish, the held one admitted in turn
     async with await held as r:
