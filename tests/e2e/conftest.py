@@ -1,4 +1,5 @@
-"""Clusters of real processes, shared per module to keep start-up cost down."""
+"""Clusters of real processes, shared per module (or, for the slow 2P2D nodes, by the modules
+that kill, restart and stop nodes) to keep start-up cost down."""
 
 from __future__ import annotations
 
@@ -54,3 +55,24 @@ def cluster_factory(tiny_model_dir: Path) -> Iterator[Callable[..., Cluster]]:
     finally:
         for cluster in started:
             cluster.close()
+
+
+@pytest.fixture(scope="session")
+def slow_2p2d(tiny_model_dir: Path) -> Iterator[Cluster]:
+    """2P2D nodes without a proxy, for tests that fail nodes (each module starts its own
+    proxies). Prefill steps take 0.2 s and decode steps 0.03 s, and a decode node runs at
+    most 2 sequences, so streams last and prefilled requests queue; a decode node drains
+    for 1 s on SIGTERM. Tests that kill a node start it again (`Cluster.restart`)."""
+    cluster = Cluster(tiny_model_dir)
+    try:
+        for i in range(2):
+            cluster.node("prefill", f"prefill-{i}", wait=False, debug_step_delay=0.2)
+        for i in range(2):
+            cluster.node(
+                "decode", f"decode-{i}", wait=False, debug_step_delay=0.03, max_num_seqs=2,
+                drain_timeout=1,
+            )  # fmt: skip
+        cluster.wait_all()
+        yield cluster
+    finally:
+        cluster.close()

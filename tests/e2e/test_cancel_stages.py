@@ -215,7 +215,7 @@ def test_cancel_in_edge_queue(
     _, edge_proxy = slow_cluster
 
     async def body(sc: Scenario) -> None:
-        other_body = _body(_prompt(tokenizer, 40), 48)
+        other_body = _body(_prompt(tokenizer, 40), 24)  # 6 s of 0.25 s decode steps
         other = sc.start(other_body, edge_proxy.url)
         await sc.until_state(
             sc.decode, "the other request decoding", lambda s: s["requests"]["running"] == 1
@@ -296,7 +296,7 @@ def test_cancel_while_held_in_interstage_queue(
     slow_cluster, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     async def body(sc: Scenario) -> None:
-        other_body = _body(_prompt(tokenizer, 20, 200), 40)  # holds the one decode slot
+        other_body = _body(_prompt(tokenizer, 20, 200), 24)  # holds the one decode slot
         other = sc.start(other_body)
         await sc.until_state(
             sc.decode, "the other request decoding", lambda s: s["requests"]["running"] == 1

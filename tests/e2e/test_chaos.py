@@ -22,7 +22,7 @@ pytestmark = [
 
 def test_a_short_chaos_run_holds_every_invariant(tmp_path: Path) -> None:
     report = tmp_path / "chaos.json"
-    argv = [sys.executable, "scripts/chaos.py", "--duration-s", "10", "--fault-every-s", "3"]
+    argv = [sys.executable, "scripts/chaos.py", "--duration-s", "7", "--fault-every-s", "2"]
     argv += ["--concurrency", "4", "--seed", "1", "--json", str(report)]
     out = procs.run(argv, timeout=600)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])

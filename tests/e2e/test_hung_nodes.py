@@ -20,7 +20,6 @@ import asyncio
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -70,24 +69,16 @@ class Pools:
 
 
 @pytest.fixture(scope="module")
-def pools(tiny_model_dir: Path) -> Iterator[Pools]:
-    """2P2D behind one proxy. Prefill steps take 0.2 s and decode steps 0.03 s, and a decode
-    node runs at most 2 sequences, so streams last and prefilled requests queue."""
-    cluster = Cluster(tiny_model_dir)
+def pools(slow_2p2d: Cluster) -> Iterator[Pools]:
+    """The shared slow 2P2D nodes behind one proxy with short liveness limits."""
+    nodes = slow_2p2d.nodes()
+    prefill = [n for n in nodes if n.name.startswith("prefill")]
+    decode = [n for n in nodes if n.name.startswith("decode")]
+    proxy = slow_2p2d.start_proxy(prefill, decode, **LIVENESS)
     try:
-        prefill = [
-            cluster.node("prefill", f"prefill-{i}", wait=False, debug_step_delay=0.2)
-            for i in range(2)
-        ]
-        decode = [
-            cluster.node("decode", f"decode-{i}", wait=False, debug_step_delay=0.03, max_num_seqs=2)
-            for i in range(2)
-        ]
-        cluster.wait_all()
-        proxy = cluster.start_proxy(prefill, decode, **LIVENESS)
-        yield Pools(cluster, proxy, prefill, decode)
+        yield Pools(slow_2p2d, proxy, prefill, decode)
     finally:
-        cluster.close()
+        proxy.stop()
 
 
 def test_a_stopped_decode_node_s_streams_continue_elsewhere_and_new_work_avoids_it(

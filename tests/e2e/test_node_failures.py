@@ -46,25 +46,18 @@ class Pools:
 
 
 @pytest.fixture(scope="module")
-def pools(tiny_model_dir: Path) -> Iterator[Pools]:
-    cluster = Cluster(tiny_model_dir)
+def pools(slow_2p2d: Cluster) -> Iterator[Pools]:
+    """The shared slow 2P2D nodes (tests/e2e/conftest.py) behind two proxies."""
+    nodes = slow_2p2d.nodes()
+    prefill = [n for n in nodes if n.name.startswith("prefill")]
+    decode = [n for n in nodes if n.name.startswith("decode")]
+    plain = slow_2p2d.start_proxy(prefill, decode, migrate_limit=0, poll_interval_s=0.2)
+    migrating = slow_2p2d.start_proxy(prefill, decode, poll_interval_s=0.2)
     try:
-        prefill = [
-            cluster.node("prefill", f"prefill-{i}", wait=False, debug_step_delay=0.2)
-            for i in range(2)
-        ]
-        decode = [
-            cluster.node(
-                "decode", f"decode-{i}", wait=False, debug_step_delay=0.03, drain_timeout=1
-            )
-            for i in range(2)
-        ]
-        cluster.wait_all()
-        plain = cluster.start_proxy(prefill, decode, migrate_limit=0, poll_interval_s=0.2)
-        migrating = cluster.start_proxy(prefill, decode, poll_interval_s=0.2)
-        yield Pools(cluster, migrating, plain)
+        yield Pools(slow_2p2d, migrating, plain)
     finally:
-        cluster.close()
+        for proxy in (plain, migrating):
+            proxy.stop()
 
 
 async def _busy(session: aiohttp.ClientSession, nodes: list[Server], key: str) -> Server:
@@ -303,48 +296,64 @@ def test_sigterm_drains_frees_every_block_and_exits_0(
     pools.cluster.wait_baseline(10.0)
 
 
-def test_kv_that_never_arrives_times_out_and_frees_the_reservation(
-    tiny_model_dir: Path, tokenizer: Tokenizer
-) -> None:
+@pytest.fixture(scope="module")
+def slow_transfers(tiny_model_dir: Path) -> Iterator[tuple[Cluster, dict[str, list[Server]]]]:
+    """Two 1P1D pairs whose prefill node delays every transfer by 3 s, started at once: one
+    whose decode node waits 1 s for KV, one whose prefill node aborts a write after 1 s."""
     with Cluster(tiny_model_dir) as cluster:
-        prefill = cluster.node("prefill", "prefill", wait=False, debug_transfer_delay=3.0)
-        decode = cluster.node("decode", "decode", wait=False, kv_wait_timeout=1.0)
+        pairs = {
+            "kv_wait": [
+                cluster.node("prefill", "prefill-a", wait=False, debug_transfer_delay=3.0),
+                cluster.node("decode", "decode-a", wait=False, kv_wait_timeout=1.0),
+            ],
+            "sending": [
+                cluster.node(
+                    "prefill", "prefill-b", wait=False, debug_transfer_delay=3.0,
+                    sending_timeout=1.0,
+                ),
+                cluster.node("decode", "decode-b", wait=False, kv_wait_timeout=60.0),
+            ],
+        }  # fmt: skip
         cluster.wait_all()
-        proxy = cluster.start_proxy([prefill], [decode], migrate_limit=0)
+        for name, (prefill, decode) in pairs.items():
+            pairs[name].append(cluster.start_proxy([prefill], [decode], migrate_limit=0))
+        yield cluster, pairs
 
-        async def scenario(session: aiohttp.ClientSession) -> None:
-            res = await stream_completion(session, proxy.url, _body("Once upon a time", 8))
-            assert res.status == 200 and res.events == 1  # the first token, from prefill
-            assert res.error is not None and "kv_timeout" in res.error["message"]
-            assert await metric(session, decode.url, "pdserve_kv_wait_timeouts_total") == 1
 
-        _run(scenario)
-        cluster.wait_baseline(10.0)
+def test_kv_that_never_arrives_times_out_and_frees_the_reservation(
+    slow_transfers: tuple[Cluster, dict[str, list[Server]]],
+) -> None:
+    cluster, pairs = slow_transfers
+    _, decode, proxy = pairs["kv_wait"]
+
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        res = await stream_completion(session, proxy.url, _body("Once upon a time", 8))
+        assert res.status == 200 and res.events == 1  # the first token, from prefill
+        assert res.error is not None and "kv_timeout" in res.error["message"]
+        assert await metric(session, decode.url, "pdserve_kv_wait_timeouts_total") == 1
+
+    _run(scenario)
+    cluster.wait_baseline(10.0)
 
 
 def test_a_write_past_the_sending_deadline_is_aborted_and_freed(
-    tiny_model_dir: Path, tokenizer: Tokenizer
+    slow_transfers: tuple[Cluster, dict[str, list[Server]]],
 ) -> None:
     """Issue 13: SENDING had no deadline. A write still not done (here: not even posted)
     past --sending-timeout is aborted; its blocks go once it is quiescent, and the decode
     node hears KVAborted instead of waiting out its own timeout."""
-    with Cluster(tiny_model_dir) as cluster:
-        prefill = cluster.node(
-            "prefill", "prefill", wait=False, debug_transfer_delay=3.0, sending_timeout=1.0
-        )
-        decode = cluster.node("decode", "decode", wait=False, kv_wait_timeout=60.0)
-        cluster.wait_all()
-        proxy = cluster.start_proxy([prefill], [decode], migrate_limit=0)
+    cluster, pairs = slow_transfers
+    prefill, decode, proxy = pairs["sending"]
 
-        async def scenario(session: aiohttp.ClientSession) -> None:
-            res = await stream_completion(session, proxy.url, _body("Once upon a time", 8))
-            assert res.status == 200 and res.events == 1  # the first token, from prefill
-            assert res.error is not None and "kv_failed" in res.error["message"], res.error
-            assert await metric(session, prefill.url, "pdserve_sending_timeouts_total") == 1
-            assert await metric(session, decode.url, "pdserve_kv_wait_timeouts_total") == 0
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        res = await stream_completion(session, proxy.url, _body("Once upon a time", 8))
+        assert res.status == 200 and res.events == 1  # the first token, from prefill
+        assert res.error is not None and "kv_failed" in res.error["message"], res.error
+        assert await metric(session, prefill.url, "pdserve_sending_timeouts_total") == 1
+        assert await metric(session, decode.url, "pdserve_kv_wait_timeouts_total") == 0
 
-        _run(scenario)
-        cluster.wait_baseline(10.0)
+    _run(scenario)
+    cluster.wait_baseline(10.0)
 
 
 async def _node_status_is(

@@ -5,6 +5,7 @@ disaggregated-equals-colocated check vLLM and SGLang run in CI)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,11 +17,10 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.text.tokenizer import Tokenizer
 from common.wire.sampling_params import SamplingParams
-from tests.support.cluster import start_cluster
+from tests.support.cluster import Cluster, Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-TOPOLOGIES = {"1p1d": (1, 1, 0), "2p2d": (2, 2, 0), "colocated": (0, 0, 1)}
 MAX_TOKENS = 16
 SUBJECTS = [
     "a fox", "the sea", "a lighthouse", "winter", "a robot", "the moon", "a library",
@@ -64,26 +64,48 @@ def _ask(client: openai.OpenAI, model: str, prompt: str) -> tuple[str, str, int]
     return prompt, c.choices[0].text, c.usage.completion_tokens
 
 
-@pytest.mark.parametrize("topology", list(TOPOLOGIES))
-def test_32_prompts_equal_offline(
-    topology: str, smollm2: Path, expected: dict[str, list[int]]
-) -> None:
-    tok = Tokenizer.from_dir(smollm2)
-    cluster = start_cluster(smollm2, TOPOLOGIES[topology])
+@pytest.fixture(scope="module")
+def proxies(smollm2: Path) -> Iterator[tuple[Cluster, dict[str, Server]]]:
+    """One set of nodes (2 prefill, 2 decode, 1 colocated) behind three proxies: 1P1D (the
+    first prefill and decode nodes), 2P2D (all four) and colocated. The nodes start at once,
+    which costs far less than a cluster per topology on this machine."""
+    cluster = Cluster(smollm2)
     try:
-        assert cluster.proxy is not None
-        client = openai.OpenAI(
-            base_url=f"{cluster.proxy.url}/v1", api_key="x", timeout=300, max_retries=0
+        prefill = [cluster.node("prefill", f"prefill-{i}", wait=False) for i in range(2)]
+        decode = [cluster.node("decode", f"decode-{i}", wait=False) for i in range(2)]
+        both = cluster.node("both", "both-0", wait=False)
+        cluster.wait_all(timeout=300.0)
+        yield (
+            cluster,
+            {
+                "1p1d": cluster.start_proxy(prefill[:1], decode[:1]),
+                "2p2d": cluster.start_proxy(prefill, decode),
+                "colocated": cluster.start_proxy(colocated=[both]),
+            },
         )
-        model = client.models.list().data[0].id
-        assert model == DEFAULT_MODEL  # /v1/models names the model truthfully
-        with ThreadPoolExecutor(max_workers=32) as pool:
-            answers = list(pool.map(lambda p: _ask(client, model, p), [*CHAT, *PLAIN]))
-        for prompt, text, n in answers:
-            want = expected[prompt]
-            special = tok.special_token_ids
-            assert text == tok.decode([t for t in want if t not in special]), prompt
-            assert n == len(want), prompt
-        cluster.wait_baseline()
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("topology", ["1p1d", "2p2d", "colocated"])
+def test_32_prompts_equal_offline(
+    topology: str,
+    smollm2: Path,
+    expected: dict[str, list[int]],
+    proxies: tuple[Cluster, dict[str, Server]],
+) -> None:
+    tok = Tokenizer.from_dir(smollm2)
+    cluster, by_topology = proxies
+    client = openai.OpenAI(
+        base_url=f"{by_topology[topology].url}/v1", api_key="x", timeout=300, max_retries=0
+    )
+    model = client.models.list().data[0].id
+    assert model == DEFAULT_MODEL  # /v1/models names the model truthfully
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        answers = list(pool.map(lambda p: _ask(client, model, p), [*CHAT, *PLAIN]))
+    for prompt, text, n in answers:
+        want = expected[prompt]
+        special = tok.special_token_ids
+        assert text == tok.decode([t for t in want if t not in special]), prompt
+        assert n == len(want), prompt
+    cluster.wait_baseline()

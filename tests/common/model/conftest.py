@@ -31,9 +31,10 @@ from common.model.builtin import (  # noqa: E402
     ModelUnavailableError,
     download_wheel,
     extract_member,
+    fetch_builtin,
 )
-from common.model.gguf import convert_gguf  # noqa: E402
 from common.model.gguf_tokenizer import byte_alphabet  # noqa: E402
+from common.tiny.model import default_cache_root  # noqa: E402
 
 SMOLLM2 = BUILTIN["smollm2-135m-instruct"]
 GGUF_NAME = Path(SMOLLM2.member).name
@@ -68,8 +69,14 @@ def smollm2_gguf(smollm2_wheel: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("hf") / "smollm2")
+def smollm2_dir() -> Path:
+    """The converted model in pdserve's cache (`convert_gguf` of the same pinned file), as
+    `--model smollm2-135m-instruct` finds it: converted once for these tests and the
+    end-to-end ones."""
+    try:
+        return fetch_builtin("smollm2-135m-instruct", default_cache_root() / "models")
+    except ModelUnavailableError as e:
+        pytest.skip(f"SmolLM2 unavailable: {e}")
 
 
 @pytest.fixture(scope="session")
