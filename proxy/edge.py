@@ -112,15 +112,24 @@ class EdgeMetrics:
 
 class DrainRate:
     """How fast the edge queue drains: hand-overs per second of *backlog* (time during which
-    requests were waiting), over the last `window` hand-overs within `max_age_s`. Idle time
-    does not count (an empty queue drains nothing because nothing waits, not because the
-    pipeline is slow), while a backlog that stops moving lowers the rate as it lasts. None
-    until `min_samples` hand-overs are known."""
+    requests were waiting). Idle time does not count (an empty queue drains nothing because
+    nothing waits, not because the pipeline is slow), while a backlog that stops moving
+    lowers the rate as it lasts. The rate is the higher of the last `window` hand-overs' and
+    of all within `max_age_s`: a refusal on an estimate cannot be taken back, so the estimate
+    leans optimistic (a burst's first seconds, when the proxy is busy taking it in, drain
+    slowly). None until `min_samples` hand-overs are known."""
 
-    def __init__(self, window: int = 64, max_age_s: float = 60.0, min_samples: int = 8) -> None:
+    def __init__(
+        self,
+        window: int = 64,
+        max_age_s: float = 60.0,
+        min_samples: int = 8,
+        keep: int = 1024,
+    ) -> None:
+        self.window = window
         self.max_age_s = max_age_s
         self.min_samples = min_samples
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (time, backlog clock)
+        self._samples: deque[tuple[float, float]] = deque(maxlen=keep)  # (time, backlog clock)
         self._backlog_s = 0.0  # backlog time before the current backlog
         self._since: float | None = None  # when the current backlog began; None: no backlog
 
@@ -138,10 +147,17 @@ class DrainRate:
     def rate(self, now: float) -> float | None:
         while self._samples and now - self._samples[0][0] > self.max_age_s:
             self._samples.popleft()
-        if len(self._samples) < self.min_samples:
+        n = len(self._samples)
+        if n < self.min_samples:
             return None
-        span = self._clock(now) - self._samples[0][1]
-        return (len(self._samples) - 1) / span if span > 0 else None
+        clock = self._clock(now)
+        recent = min(n, self.window)
+        rates = [
+            (k - 1) / (clock - self._samples[n - k][1])
+            for k in (recent, n)
+            if clock > self._samples[n - k][1]
+        ]
+        return max(rates) if rates else None
 
     def _clock(self, now: float) -> float:
         return self._backlog_s + (now - self._since if self._since is not None else 0.0)

@@ -253,3 +253,18 @@ def test_the_drain_rate_counts_hand_overs_per_second_of_backlog() -> None:
         drain.admitted(t)
     assert drain.rate(15.0) == pytest.approx(8 / 5)  # 8 gaps in 5 s of backlog
     assert drain.rate(45.0) is None  # all older than 30 s
+
+
+def test_the_drain_rate_leans_optimistic_when_the_recent_hand_overs_were_slow() -> None:
+    """A burst's first seconds drain slowly (the proxy is busy taking it in): the rate of
+    everything still recent (4 per second) wins over the last few hand-overs' (1 per s)."""
+    drain = DrainRate(window=4, max_age_s=60.0, min_samples=3)
+    drain.waiting(0.0, True)
+    for i in range(9):  # 8 gaps in 2 s
+        drain.admitted(0.25 * i)
+    drain.waiting(2.0, False)
+    drain.waiting(10.0, True)  # a new burst: 3 hand-overs in 3 s
+    for t in (11.0, 12.0, 13.0):
+        drain.admitted(t)
+    assert drain.rate(13.0) == pytest.approx(11 / 5)  # all 12 within 5 s of backlog
+    assert DrainRate(window=4, keep=4, min_samples=3).rate(0.0) is None
