@@ -37,9 +37,10 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2: Path) -> dict[str, list[int]]:
+def expected(smollm2: Path, nodes: Cluster) -> dict[str, list[int]]:
     """The offline engine's greedy tokens for every prompt (one batch, as `generate` runs
-    them; the served runs batch them differently, so equality also checks batch invariance)."""
+    them; the served runs batch them differently, so equality also checks batch invariance).
+    Computed while the nodes start (`nodes` only launched them)."""
     tok = Tokenizer.from_dir(smollm2)
     engine = LLMEngine(EngineConfig(model=str(smollm2), num_blocks=256, threads=2))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -65,26 +66,34 @@ def _ask(client: openai.OpenAI, model: str, prompt: str) -> tuple[str, str, int]
 
 
 @pytest.fixture(scope="module")
-def proxies(smollm2: Path) -> Iterator[tuple[Cluster, dict[str, Server]]]:
-    """One set of nodes (2 prefill, 2 decode, 1 colocated) behind three proxies: 1P1D (the
-    first prefill and decode nodes), 2P2D (all four) and colocated. The nodes start at once,
-    which costs far less than a cluster per topology on this machine."""
+def nodes(smollm2: Path) -> Iterator[Cluster]:
+    """2 prefill, 2 decode and 1 colocated node, launched (not yet waited for)."""
     cluster = Cluster(smollm2)
     try:
-        prefill = [cluster.node("prefill", f"prefill-{i}", wait=False) for i in range(2)]
-        decode = [cluster.node("decode", f"decode-{i}", wait=False) for i in range(2)]
-        both = cluster.node("both", "both-0", wait=False)
-        cluster.wait_all(timeout=300.0)
-        yield (
-            cluster,
-            {
-                "1p1d": cluster.start_proxy(prefill[:1], decode[:1]),
-                "2p2d": cluster.start_proxy(prefill, decode),
-                "colocated": cluster.start_proxy(colocated=[both]),
-            },
-        )
+        for i in range(2):
+            cluster.node("prefill", f"prefill-{i}", wait=False)
+        for i in range(2):
+            cluster.node("decode", f"decode-{i}", wait=False)
+        cluster.node("both", "both-0", wait=False)
+        yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="module")
+def proxies(nodes: Cluster, expected: dict[str, list[int]]) -> dict[str, Server]:
+    """The nodes behind three proxies: 1P1D (the first prefill and decode nodes), 2P2D (all
+    four) and colocated. One set of nodes started at once costs far less than a cluster per
+    topology on this machine."""
+    nodes.wait_all(timeout=300.0)
+    by_name = {n.name: n for n in nodes.nodes()}
+    prefill = [by_name["prefill-0"], by_name["prefill-1"]]
+    decode = [by_name["decode-0"], by_name["decode-1"]]
+    return {
+        "1p1d": nodes.start_proxy(prefill[:1], decode[:1]),
+        "2p2d": nodes.start_proxy(prefill, decode),
+        "colocated": nodes.start_proxy(colocated=[by_name["both-0"]]),
+    }
 
 
 @pytest.mark.parametrize("topology", ["1p1d", "2p2d", "colocated"])
@@ -92,10 +101,11 @@ def test_32_prompts_equal_offline(
     topology: str,
     smollm2: Path,
     expected: dict[str, list[int]],
-    proxies: tuple[Cluster, dict[str, Server]],
+    nodes: Cluster,
+    proxies: dict[str, Server],
 ) -> None:
     tok = Tokenizer.from_dir(smollm2)
-    cluster, by_topology = proxies
+    cluster, by_topology = nodes, proxies
     client = openai.OpenAI(
         base_url=f"{by_topology[topology].url}/v1", api_key="x", timeout=300, max_retries=0
     )

@@ -299,13 +299,23 @@ def test_soak_with_random_disconnects_leaves_nothing_behind(
 
 
 def test_full_decode_pool_queues_then_completes(
-    cluster_factory: Callable[..., Cluster], tokenizer: Tokenizer, offline_token_ids: Callable
+    slow_2p2d: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
-    cluster = cluster_factory((1, 1, 0), max_num_seqs=2)
-    assert cluster.proxy is not None
-    client = openai.AsyncOpenAI(base_url=f"{cluster.proxy.url}/v1", api_key="x", timeout=120)
+    """On a decode node that runs 2 sequences (the shared slow nodes, one pair of them),
+    8 requests queue prefilled for it and all complete exactly."""
+    by_name = {n.name: n for n in slow_2p2d.nodes()}
+    proxy = slow_2p2d.start_proxy([by_name["prefill-0"]], [by_name["decode-0"]])
+    try:
+        _decode_pool_full(proxy, tokenizer, offline_token_ids)
+    finally:
+        proxy.stop()
+    slow_2p2d.wait_baseline()
+
+
+def _decode_pool_full(proxy: Server, tokenizer: Tokenizer, offline_token_ids: Callable) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", timeout=120)
     prompts = [[7 + i, 8, 9, 10 + i] for i in range(8)]
-    model = _model(_client(cluster))
+    model = _model(openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0))
 
     async def one(prompt: list[int]) -> str:
         resp = await client.completions.create(
@@ -321,17 +331,16 @@ def test_full_decode_pool_queues_then_completes(
         tasks = [asyncio.ensure_future(one(p)) for p in prompts]
         peak = 0.0
         while not all(t.done() for t in tasks):
-            peak = max(peak, _metric(cluster.proxy.url, "pdserve_interstage_queue_depth"))
+            peak = max(peak, _metric(proxy.url, "pdserve_interstage_queue_depth"))
             await asyncio.sleep(0.02)
         return await asyncio.gather(*tasks), peak
 
     texts, peak = asyncio.run(run())
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     assert texts == [tokenizer.decode(offline_token_ids(p, sp)) for p in prompts]
-    waits = _metric(cluster.proxy.url, "pdserve_interstage_wait_seconds_count")
+    waits = _metric(proxy.url, "pdserve_interstage_wait_seconds_count")
     assert waits >= len(prompts)
     assert peak >= 1, "no request ever waited in the inter-stage queue"
-    cluster.wait_baseline()
 
 
 def test_node_with_other_fingerprint_is_refused(
