@@ -228,12 +228,12 @@ def _burst(cluster: Cluster, n: int) -> tuple[list[Answer], Counter[str]]:
     return asyncio.run(main())
 
 
+@pytest.mark.parametrize("cluster", ["1p1d"], indirect=True)  # that cluster only
 def test_a_burst_of_600_is_served_whole_from_the_edge_queue(
-    cluster: Cluster, request: pytest.FixtureRequest
+    cluster: Cluster,
 ) -> None:
     """Issue 18: 600 at once is more than the pipeline holds (the decode node's 64 sequences,
     as many waiting prefilled) but well inside the advertised capacity: all of it completes."""
-    _only_on(request, "1p1d")
     answers, moved = _burst(cluster, 600)
     assert Counter(status for status, _, _ in answers) == {200: 600}
     assert moved["prefilled"] == moved["admitted"] == moved["completed"] == 600
@@ -241,15 +241,15 @@ def test_a_burst_of_600_is_served_whole_from_the_edge_queue(
     cluster.wait_baseline(timeout=30)
 
 
+@pytest.mark.parametrize("cluster", ["1p1d"], indirect=True)  # that cluster only
 def test_a_burst_beyond_capacity_is_refused_at_the_edge_only_for_the_excess(
-    cluster: Cluster, request: pytest.FixtureRequest
+    cluster: Cluster,
 ) -> None:
     """Issue 18: a burst of 3x a proxy's advertised capacity (max active + edge queue; a
     second proxy on the same nodes, sized down from the defaults' 1,536 so that the test is
     short): at least the capacity completes; the rest get 503 + Retry-After at the edge,
     before any node saw them: the prefill node computed exactly the requests that completed,
     none was refused after its prefill."""
-    _only_on(request, "1p1d")
     main = cluster.proxy
     small = cluster.start_proxy(
         [_node(cluster, "prefill")], [_node(cluster, "decode")],
@@ -275,12 +275,12 @@ def _node(cluster: Cluster, role: str) -> Server:
     return next(p for p in cluster.nodes() if p.name.startswith(role))
 
 
+@pytest.mark.parametrize("cluster", ["2p2d"], indirect=True)  # that cluster only
 def test_soak_with_random_disconnects_leaves_nothing_behind(
-    cluster: Cluster, request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path
+    cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Issue 5: `scripts/soak.py`, shortened, against 2P2D: random disconnects at random
     times, then every node at baseline, every completed output equal to offline, no errors."""
-    _only_on(request, "2p2d")
     assert cluster.proxy is not None
     out = tmp_path / "soak.json"
     argv = procs.python("scripts/soak.py", "--base-url", cluster.proxy.url)
@@ -343,10 +343,10 @@ def _decode_pool_full(proxy: Server, tokenizer: Tokenizer, offline_token_ids: Ca
     assert peak >= 1, "no request ever waited in the inter-stage queue"
 
 
+@pytest.mark.parametrize("cluster", ["1p1d"], indirect=True)  # that cluster only
 def test_node_with_other_fingerprint_is_refused(
-    cluster: Cluster, request: pytest.FixtureRequest
+    cluster: Cluster,
 ) -> None:
-    _only_on(request, "1p1d")
     assert cluster.proxy is not None
     other = cluster.node("decode", "decode-bf16", dtype="bfloat16")
     try:
@@ -359,12 +359,6 @@ def test_node_with_other_fingerprint_is_refused(
         assert other.url not in urls
     finally:
         other.stop()
-
-
-def _only_on(request: pytest.FixtureRequest, topology: str) -> None:
-    """Run a test on one of the module's clusters only (it needs no other)."""
-    if request.node.callspec.params["cluster"] != topology:
-        pytest.skip(f"runs on the {topology} cluster")
 
 
 def _metric(url: str, name: str) -> float:
