@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,14 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="8 requests: a smoke run")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
-    p.add_argument("--up-args", default="", help="more `pdserve up` flags for every deployment")
+    p.add_argument(
+        "--prefill-cache-blocks", type=int, default=0,
+        help="> 0: each prefill node's KV blocks (--num-blocks); a cache smaller than the "
+        "tenants' prefixes together makes where each tenant is routed matter",
+    )  # fmt: skip
+    p.add_argument(
+        "--up-args", default="", help="more `pdserve up` flags for every deployment (shell-quoted)"
+    )
     return p
 
 
 def deploy(name: str, args: argparse.Namespace) -> UpService:
     """One `pdserve up` for deployment `name`, in DIR/NAME/."""
-    up_args = ["--model", args.model, "--prefill", str(args.prefill),
-               "--decode", str(args.decode), *DEPLOYMENTS[name], *args.up_args.split()]  # fmt: skip
+    up_args = ["--model", args.model, "--prefill", str(args.prefill), "--decode",
+               str(args.decode), *DEPLOYMENTS[name], *shlex.split(args.up_args)]  # fmt: skip
+    if args.prefill_cache_blocks > 0:
+        up_args += ["--prefill-node-args", f"--num-blocks {args.prefill_cache_blocks}"]
     return UpService(up_args, args.out / name, args.startup_timeout_s)
 
 

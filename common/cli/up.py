@@ -69,6 +69,9 @@ class UpConfig:
     threads_per_node: int = 1
     pin_cores: bool = False  # node i on cores [i*T, (i+1)*T) of ours, T = threads_per_node
     node_args: tuple[str, ...] = ()  # engine flags and extras, passed to every node
+    # Passed after node_args to the nodes of one role only (so they win where both set a flag).
+    prefill_node_args: tuple[str, ...] = ()
+    decode_node_args: tuple[str, ...] = ()
     startup_timeout_s: float = 180.0
     stop_grace_s: float = 20.0
     log_dir: str | None = None  # default: a new temporary directory
@@ -327,6 +330,7 @@ def plan_nodes(cfg: UpConfig, log_dir: Path, cluster_token: str | None = None) -
         if cfg.kv_backend:
             argv += ["--kv-backend", cfg.kv_backend]
         argv += list(cfg.node_args)
+        argv += {"prefill": cfg.prefill_node_args, "decode": cfg.decode_node_args}.get(role, ())
         nodes.append(NodeProcess(name, role, argv, "", log_dir / f"{name}.log", cpus, env))
     return nodes
 
@@ -496,6 +500,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         threads_per_node=args.threads or args.threads_per_node,
         pin_cores=args.pin_cores,
         node_args=tuple(engine_flags(args) + shlex.split(args.node_args)),
+        prefill_node_args=tuple(shlex.split(args.prefill_node_args)),
+        decode_node_args=tuple(shlex.split(args.decode_node_args)),
         startup_timeout_s=args.startup_timeout_s,
         stop_grace_s=args.stop_grace_s,
         max_restarts=args.max_restarts,

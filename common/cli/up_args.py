@@ -34,6 +34,16 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(T = --threads-per-node; prefill nodes first); the proxy stays unbound",
     )
     p.add_argument("--node-args", default="", help="more node flags, one shell-quoted string")
+    p.add_argument(
+        "--prefill-node-args",
+        default="",
+        help="more flags for the prefill nodes only (after --node-args, so they win)",
+    )
+    p.add_argument(
+        "--decode-node-args",
+        default="",
+        help="more flags for the decode nodes only (after --node-args, so they win)",
+    )
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     p.add_argument("--stop-grace-s", type=float, default=20.0)
     p.add_argument(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -130,6 +131,26 @@ def test_node_command_lines(tmp_path: Path) -> None:
     assert [n.role for n in both] == ["both"]
     with pytest.raises(ValueError):
         UpConfig(model="M", decode=0)
+
+
+def test_per_role_node_flags_reach_only_that_role_and_win_over_the_common_ones(
+    tmp_path: Path,
+) -> None:
+    args = build_parser().parse_args(
+        ["up", "--model", "M", "--num-blocks", "64", "--prefill-node-args", "--num-blocks 8"]
+    )
+    assert isinstance(args, argparse.Namespace)
+    cfg = UpConfig(
+        model="M",
+        node_args=tuple(engine_flags(args)),
+        prefill_node_args=tuple(shlex.split(args.prefill_node_args)),
+        decode_node_args=("--max-num-seqs", "4"),
+    )
+    prefill, decode = plan_nodes(cfg, tmp_path)
+    engine = build_parser().parse_args(["node", "--role", "prefill", *prefill.argv[6:]])
+    assert engine.num_blocks == 8  # the last --num-blocks is the one argparse keeps
+    assert "--max-num-seqs" not in prefill.argv
+    assert decode.argv[-4:] == ["--num-blocks", "64", "--max-num-seqs", "4"]
 
 
 def test_pin_cores_gives_each_node_its_own_cores(tmp_path: Path) -> None:
