@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", default="0.5", help="requests per second (bench-serve --rate)")
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--warmup-requests", type=int, default=2,
+        help="unmeasured requests first (another seed); above 2, with the measured run's "
+        "prefixes, at --rate: the measured run then starts from warm caches",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="8 requests: a smoke run")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument(
@@ -94,7 +99,9 @@ def deploy(name: str, args: argparse.Namespace) -> UpService:
     return UpService(up_args, args.out / name, args.startup_timeout_s)
 
 
-def _bench(dep: UpService, args: argparse.Namespace, n: int, seed: int, out: Path | None) -> None:
+def _bench(
+    dep: UpService, args: argparse.Namespace, n: int, seed: int, out: Path | None, warm: bool
+) -> None:
     endpoint = "chat" if args.turns > 1 else "completions"
     argv = ["--base-url", dep.url, "--endpoint", endpoint, "--tokenizer", args.tokenizer,
             "--prefix-len", str(args.prefix_len), "--input-len", str(args.input_len),
@@ -105,6 +112,8 @@ def _bench(dep: UpService, args: argparse.Namespace, n: int, seed: int, out: Pat
         argv += ["--turns", str(args.turns), "--think-time-s", str(args.think_time_s)]
     else:
         argv += ["--num-prefixes", str(args.num_prefixes), "--prefix-zipf", str(args.prefix_zipf)]
+        if warm:  # the measured run's tenants (prefixes), other prompts
+            argv += ["--prefix-seed", str(args.seed)]
     if out is not None:
         argv += ["--json", str(out)]
     if bench_serve(argv) != 0:
@@ -114,10 +123,13 @@ def _bench(dep: UpService, args: argparse.Namespace, n: int, seed: int, out: Pat
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     dep = deploy(name, args)
     try:
-        # Warm-up: another seed, so its prompts (and prefix) are not the measured ones.
-        _bench(dep, args, 2, args.seed + 1000, None)
+        # Warm-up: another seed, so its prompts are not the measured ones; with
+        # --warmup-requests > 2 (random prompts) the measured run's prefixes, routed by the
+        # policy under test, so the run starts with the caches that policy fills.
+        warm = args.warmup_requests > 2 and args.turns == 1
+        _bench(dep, args, args.warmup_requests, args.seed + 1000, None, warm)
         before = _kv_bytes(dep)
-        _bench(dep, args, args.num_requests, args.seed, dep.dir / "bench.json")
+        _bench(dep, args, args.num_requests, args.seed, dep.dir / "bench.json", False)
         moved = _kv_bytes(dep) - before
         decisions = sample_sum(
             dep.metrics(), "pdserve_proxy_routing_decisions_total",

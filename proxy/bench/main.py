@@ -116,6 +116,7 @@ class BenchConfig:
             "prefix_len": random_w.prefix_len if random_w else None,
             "num_prefixes": random_w.num_prefixes if random_w else None,
             "prefix_zipf": random_w.prefix_zipf if random_w else None,
+            "prefix_seed": random_w.prefix_seed if random_w else None,
             "conversation": None
             if talk is None
             else {
@@ -216,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the k-th prefix is picked with weight 1/k**Z (0: uniform): 0",
     )
     g.add_argument(
+        "--prefix-seed",
+        type=int,
+        default=None,
+        help="seed of the shared prefixes only (default: --seed); a warm-up run with another "
+        "--seed and this one sends the same prefixes with other prompts",
+    )
+    g.add_argument(
         "--turns",
         type=int,
         default=1,
@@ -281,6 +289,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             args.prefix_len,
             args.num_prefixes,
             args.prefix_zipf,
+            args.prefix_seed,
         )
     if args.turns > 1:
         if args.dataset is not None:

@@ -79,6 +79,9 @@ class RandomWorkload:
     # the k-th (from 1) with weight 1 / k**prefix_zipf (0: uniform).
     num_prefixes: int = 1
     prefix_zipf: float = 0.0
+    # The prefixes' own seed (None: the run's): a warm-up run with another seed but this one
+    # sends the measured run's prefixes, so caches start warm without repeating its prompts.
+    prefix_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:
@@ -100,7 +103,8 @@ class RandomWorkload:
         rng = random.Random(seed)
         prefixes = [""]
         if self.prefix_len:
-            names = [f"prefix-{seed}"] + [f"prefix-{seed}-{k}" for k in range(1, self.num_prefixes)]
+            ps = seed if self.prefix_seed is None else self.prefix_seed
+            names = [f"prefix-{ps}"] + [f"prefix-{ps}-{k}" for k in range(1, self.num_prefixes)]
             prefixes = [_prompt(random.Random(n), self.prefix_len, tokenizer) + " " for n in names]
         weights = [1 / (k + 1) ** self.prefix_zipf for k in range(len(prefixes))]
         picker = random.Random(f"pick-{seed}")  # (the lengths' and words' draws stay as without)

@@ -9,7 +9,12 @@ the index. The index is bounded: a node's entry never holds more keys than the n
 blocks (it resyncs instead).
 
 The router asks `matched_tokens(node, prompt)`: how many leading prompt tokens that node's
-cache holds, in whole blocks.
+cache holds, in whole blocks. It also tells the index where it sent each prompt
+(`expect(node, prompt)`): until that node's events report the blocks stored (or
+`PENDING_TTL_S` passes), they count as held there, as in SGLang's router, which inserts a
+prompt into its tree when it routes it. Without that, the requests of a new tenant that
+arrive while its first prompt is still computing all look uncached everywhere, spread over
+the nodes, and each node computes the same prefix.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +38,7 @@ from proxy.pool.node_state import Node
 log = logging.getLogger(__name__)
 
 _RESYNC_BACKOFF_S = 0.5
+PENDING_TTL_S = 30.0  # an expected block that never shows up (a failed prefill) is forgotten
 
 
 @dataclass
@@ -49,6 +56,9 @@ class NodeCache:
     resyncs: int = 0
     # Batches that came while a snapshot was on its way: applied on top of it.
     held_back: list[tuple[int, list[Any]]] = field(default_factory=list)
+    # Blocks of prompts routed here, not yet reported stored: key -> when to stop expecting
+    # it (time.monotonic()); oldest first. At most `capacity` of them.
+    pending: dict[bytes, float] = field(default_factory=dict)
 
     def apply(self, first: int, ops: list[Any]) -> bool:
         """Apply a batch; False if it does not follow on (a gap: resync)."""
@@ -57,23 +67,39 @@ class NodeCache:
         for i, (stored, key) in enumerate(ops):
             if first + i < self.next:
                 continue  # already in the snapshot
+            key = bytes(key)
+            self.pending.pop(key, None)
             if stored:
-                self.keys.add(bytes(key))
+                self.keys.add(key)
             else:
-                self.keys.discard(bytes(key))
+                self.keys.discard(key)
         self.next = max(self.next, first + len(ops))
         return len(self.keys) <= self.capacity
 
     def load(self, last: int, keys: list[bytes]) -> None:
         self.keys, self.next = set(keys), last + 1
 
-    def matched_blocks(self, keys: Sequence[bytes]) -> int:
+    def matched_blocks(self, keys: Sequence[bytes], now: float | None = None) -> int:
+        """Leading blocks of `keys` held, or expected (pending) at `now`."""
         n = 0
         for key in keys:
-            if key not in self.keys:
+            if key not in self.keys and (now is None or self.pending.get(key, 0.0) <= now):
                 break
             n += 1
         return n
+
+    def expect(self, keys: Sequence[bytes], until: float, now: float) -> None:
+        """Count `keys` as held until `until`, unless the events say so first."""
+        for key in keys:
+            if key not in self.keys:
+                self.pending.pop(key, None)  # re-inserted: the newest
+                self.pending[key] = until
+        excess = len(self.pending) - self.capacity
+        for key, deadline in list(self.pending.items()):  # oldest first
+            if excess <= 0 and deadline > now:
+                break
+            del self.pending[key]
+            excess -= 1
 
 
 class KVIndex:
@@ -141,7 +167,17 @@ class KVIndex:
         if cache is None or cache.next is None:
             return 0
         keys = self._keys(prompt_token_ids, cache.block_size, cache.salt)
-        return cache.matched_blocks(keys) * cache.block_size
+        return cache.matched_blocks(keys, time.monotonic()) * cache.block_size
+
+    def expect(self, node: Node, prompt_token_ids: Sequence[int]) -> None:
+        """`node` was sent this prompt: its blocks count as held there until its events say
+        they are stored, or for PENDING_TTL_S."""
+        cache = self.caches.get(node.url)
+        if cache is None or cache.next is None:
+            return
+        now = time.monotonic()
+        keys = self._keys(prompt_token_ids, cache.block_size, cache.salt)
+        cache.expect(keys, now + PENDING_TTL_S, now)
 
     def _keys(self, ids: Sequence[int], block_size: int, salt: bytes) -> list[bytes]:
         """The prompt's block keys; the last prompt's are kept (one request asks per node)."""

@@ -2,7 +2,8 @@
 
 For each candidate node the router knows (from its last /state, plus what this proxy sent
 since) the prompt tokens queued there and the node's measured prefill speed, and (from the
-node's KV events, kv_index.py) how many leading tokens of this prompt its cache holds. The
+node's KV events, kv_index.py) how many leading tokens of this prompt its cache holds (or will
+hold: a prompt routed to a node counts as cached there while it computes). The
 `cost` policy estimates each node's time to first token as
 
     (queued tokens + this prompt's uncached tokens on that node) / that node's prefill rate
@@ -128,6 +129,8 @@ class Router:
         known = rates(nodes)
         estimates = [self._estimate(n, prompt_token_ids, known) for n in nodes]
         chosen = self._choose(estimates)
+        if self.index is not None:  # its blocks count as there while they compute
+            self.index.expect(chosen.node, prompt_token_ids)
         others = [e for e in estimates if e is not chosen]
         best_other = min(others, key=lambda e: e.ttft_s) if others else None
         most_cached = max(estimates, key=lambda e: e.matched_tokens)

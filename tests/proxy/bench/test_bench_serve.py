@@ -433,6 +433,20 @@ def test_random_prompts_can_take_one_of_several_prefixes_with_zipf_popularity() 
         RandomWorkload(8, 3, num_prefixes=0)
 
 
+def test_a_prefix_seed_keeps_the_prefixes_and_changes_the_rest() -> None:
+    def head(w: RandomWorkload, seed: int) -> tuple[set[str], list[str]]:
+        items = list(itertools.islice(w.items(seed=seed), 200))
+        return {" ".join(i.prompt.split()[:30]) for i in items}, [i.prompt for i in items]
+
+    measured = RandomWorkload(8, 3, prefix_len=30, num_prefixes=3)
+    warm = RandomWorkload(8, 3, prefix_len=30, num_prefixes=3, prefix_seed=1)
+    prefixes, prompts = head(measured, 1)
+    warm_prefixes, warm_prompts = head(warm, 2)
+    assert warm_prefixes == prefixes and len(prefixes) == 3
+    assert not set(warm_prompts) & set(prompts)  # the same tenants, none of the same prompts
+    assert head(RandomWorkload(8, 3, prefix_len=30, num_prefixes=3), 2)[0].isdisjoint(prefixes)
+
+
 def test_a_conversation_carries_its_history_and_answers_forward() -> None:
     w = ConversationWorkload(system_len=20, user_len=5, output_len=3, turns=3)
     talks = list(itertools.islice(w.sessions(seed=2), 4))

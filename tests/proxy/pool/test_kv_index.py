@@ -29,6 +29,21 @@ def test_a_node_cache_applies_in_order_and_reports_gaps() -> None:
     assert not cache.apply(7, [[True, b"c"], [True, b"d"], [True, b"e"]])  # over capacity
 
 
+def test_expected_blocks_count_until_stored_or_expired_and_stay_bounded() -> None:
+    cache = NodeCache("u", "e", "tcp://x", 16, b"", capacity=4)
+    cache.load(last=0, keys=[b"a"])
+    cache.expect([b"a", b"b", b"c"], until=10.0, now=0.0)
+    assert list(cache.pending) == [b"b", b"c"]  # "a" is stored already
+    assert cache.matched_blocks([b"a", b"b", b"c", b"d"], now=5.0) == 3
+    assert cache.matched_blocks([b"a", b"b", b"c"]) == 1  # without `now`: stored ones only
+    assert cache.matched_blocks([b"a", b"b", b"c"], now=10.0) == 1  # expired
+    cache.expect([b"d", b"e", b"f"], until=20.0, now=11.0)  # the expired ones go first
+    assert list(cache.pending) == [b"d", b"e", b"f"]
+    cache.expect([b"g", b"h"], until=21.0, now=12.0)  # over capacity: the oldest go
+    assert list(cache.pending) == [b"e", b"f", b"g", b"h"]
+    assert cache.apply(1, [[True, b"g"]]) and b"g" not in cache.pending and b"g" in cache.keys
+
+
 class FakeClient:
     """The snapshot endpoint of one node: whatever `snapshot` holds when asked."""
 

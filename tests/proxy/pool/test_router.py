@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.http.backend import BackendError
+from proxy.pool.kv_index import KVIndex, NodeCache
 from proxy.pool.node_state import Node, NodeState, NodeStatus, Role
 from proxy.pool.router import DEFAULT_PREFILL_RATE, Policy, Router, RoutingMetrics
 
@@ -20,9 +21,13 @@ class Cached:
 
     def __init__(self, matched: dict[str, int]) -> None:
         self.matched = matched
+        self.expected: list[str] = []  # where prompts were sent
 
     def matched_tokens(self, node: Node, prompt: Sequence[int]) -> int:
         return self.matched.get(node.url, 0)
+
+    def expect(self, node: Node, prompt: Sequence[int]) -> None:
+        self.expected.append(node.url)
 
 
 def node(url: str, queued_tokens: int, rate: float | None = RATE) -> Node:
@@ -97,3 +102,33 @@ def test_decisions_are_counted_by_agreement() -> None:
     counter = r.metrics.decisions
     assert counter.labels(policy="cost", cache_vs_queue="disagree")._value.get() == 1
     assert counter.labels(policy="cost", cache_vs_queue="agree")._value.get() == 1
+
+
+def test_a_prompt_counts_as_cached_where_it_was_sent_until_its_blocks_are_stored() -> None:
+    """A new tenant: its first prompt is computing on A (nothing stored yet); B has other work
+    queued. The next prompt with the same prefix joins A, where only its own tokens remain,
+    instead of recomputing the prefix on B."""
+    a, b = node("http://a", 0), node("http://b", queued_tokens=3000)
+    index = KVIndex(None, "secret")  # type: ignore[arg-type]  # no node client: no resyncs
+    try:
+        for n in (a, b):
+            index.caches[n.url] = cache = NodeCache(n.url, n.url, "tcp://-", 16, b"salt", 1024)
+            cache.load(last=0, keys=[])
+        r = Router(lambda role, exclude: [a, b], Policy.COST, index)
+        system = list(range(4000))
+        first = r.pick(Role.PREFILL, system + [1, 2, 3])
+        assert first.node is a and first.chosen.matched_tokens == 0
+        a.sent(first.chosen.uncached)  # what the proxy counts as queued on A
+        second = r.pick(Role.PREFILL, system + [7, 8, 9])
+        assert second.node is a and second.chosen.matched_tokens == 4000
+        assert second.best_other is not None and second.best_other.matched_tokens == 0
+        # The events say the blocks are stored: no longer pending, still matched.
+        cache = index.caches["http://a"]
+        keys = list(cache.pending)
+        assert len(keys) == 250 and cache.apply(1, [[True, k] for k in keys])
+        assert not cache.pending and index.matched_tokens(a, system) == 4000
+        # Removed blocks are gone, and nothing expected is left behind.
+        assert cache.apply(251, [[False, k] for k in keys])
+        assert index.matched_tokens(a, system) == 0
+    finally:
+        index.close()
