@@ -17,8 +17,11 @@ The room (`pipeline_limits`) follows the pools:
 - prompt tokens still to prefill (less what the best prefill node has cached): the prefill
   nodes' measured rates summed, times `backlog_s` (unlimited until a rate is measured).
 
-An empty stage takes any one request, however large, and a stage with nothing left to prefill
-takes any one prefill, so nothing waits for room that cannot appear.
+An empty stage takes any one request, however large, and while fewer requests are prefilling
+than there are prefill nodes, the stage takes another prefill whatever its size: nothing
+waits for room that cannot appear, and one long prompt on one node does not leave the other
+prefill nodes idle while requests wait at the edge (with a pool-wide token bound alone, a
+prompt longer than the horizon held every other node idle until it was done).
 
 `hold`/`prefilled`/`release` are keyed by request id and idempotent; each that frees room
 tells the listeners (the edge admits its next waiter).
@@ -38,6 +41,7 @@ class Limits:
     requests: int
     tokens: int | None  # None: unknown (no decode node has reported its KV size)
     prefill_tokens: int | None = None  # None: no limit (no rate measured, or none set)
+    prefill_nodes: int = 1  # this many prefills are admitted whatever their size
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ class PreDecodeBudget:
             return False
         return (
             limits.prefill_tokens is None
-            or not self._prefilling
+            or len(self._prefilling) < max(1, limits.prefill_nodes)
             or self._prefill_tokens + claim.prefill_tokens <= limits.prefill_tokens
         )
 
@@ -152,15 +156,15 @@ def pipeline_limits(
             if total > 0:
                 kv_tokens += total * cap.block_size
                 known = True
+        prefill_nodes = registry.healthy(Role.PREFILL)
         rates = [
-            n.state.prefill_tokens_per_s if n.state is not None else None
-            for n in registry.healthy(Role.PREFILL)
+            n.state.prefill_tokens_per_s if n.state is not None else None for n in prefill_nodes
         ]
         prefill = None
         if backlog_s > 0 and rates and all(r is not None and r > 0 for r in rates):
             prefill = max(1, int(backlog_s * sum(r for r in rates if r is not None)))
         requests = max_requests if max_requests > 0 else max(seqs, 1)
-        return Limits(requests, kv_tokens if known else None, prefill)
+        return Limits(requests, kv_tokens if known else None, prefill, max(1, len(prefill_nodes)))
 
     return limits
 

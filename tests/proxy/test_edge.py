@@ -183,6 +183,21 @@ def test_prefill_work_beyond_the_backlog_horizon_waits_at_the_edge() -> None:
     asyncio.run(body())
 
 
+def test_each_prefill_node_may_take_one_prompt_beyond_the_backlog_horizon() -> None:
+    """Two prefill nodes: a prompt longer than the whole horizon does not hold the other node
+    idle; a third prompt waits for room as before."""
+    limits = Limits(requests=10, tokens=None, prefill_tokens=100, prefill_nodes=2)
+    budget = PreDecodeBudget(lambda: limits)
+    budget.hold("long", budget.claim([1] * 300))
+    assert budget.fits(budget.claim([1] * 40))  # one prefilling, two nodes
+    budget.hold("b", budget.claim([1] * 40))
+    assert not budget.fits(budget.claim([1] * 1))  # two prefilling, 340 tokens > 100
+    budget.prefilled("long")  # one node free again: it takes the next, whatever its size
+    assert budget.fits(budget.claim([1] * 500))
+    budget.hold("c", budget.claim([1] * 50))
+    assert budget.fits(budget.claim([1] * 10)) and not budget.fits(budget.claim([1] * 11))
+
+
 def test_a_request_whose_estimated_wait_exceeds_its_patience_is_refused_at_once() -> None:
     async def body() -> None:
         edge = _queue(max_active=1, capacity=100, deadline_s=30.0)

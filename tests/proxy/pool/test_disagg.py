@@ -208,7 +208,7 @@ def test_a_request_holds_the_pre_decode_budget_until_a_decode_node_takes_it() ->
             await stream.aclose()
             assert released == [1, 0]  # the end released nothing more
             # the stub's /state: 8 sequences, 100 blocks of 16; no prefill rate measured
-            assert budget.limits() == Limits(requests=8, tokens=100 * 16, prefill_tokens=None)
+            assert budget.limits() == Limits(8, 100 * 16, prefill_tokens=None, prefill_nodes=1)
             prefill.prefill_tokens_per_s = 300.0
             await stack.registry.poll_all()
             assert budget.limits().prefill_tokens == 600  # 2 s of the measured rate
