@@ -32,4 +32,6 @@ class ColocatedNode(NodeServer):
             events = self.engine_events(out, "prefill", "prefill admitted", "prefill done")
             return [("generate received", received), *events]
 
-        return await stream_outputs(request, msg.request_id, outputs, None, first)
+        return await stream_outputs(
+            request, msg.request_id, outputs, None, first, self.metrics.token_gap.observe
+        )

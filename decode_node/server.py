@@ -122,7 +122,9 @@ class DecodeNode(TransferNode):
                 out, "decode", "decode admitted", "first decode token"
             )
 
-        return await stream_outputs(request, msg.request_id, outputs, resp, first)
+        return await stream_outputs(
+            request, msg.request_id, outputs, resp, first, self.metrics.token_gap.observe
+        )
 
     async def _receive(self, entry: Incoming, msg: DecodeRequest, blocks: list[int]) -> None:
         """Pull the KV into `blocks`; return once it landed (LANDED), else raise ApiError."""

@@ -21,7 +21,9 @@ from proxy.http.errors import ApiError
 from proxy.http.hooks import ProxyHooks
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# 100 us to 5 s in steps of 1.25x (as the nodes' step times: tails compared side by side).
+ITL_BUCKETS = tuple(round(1e-4 * 1.25**k, 7) for k in range(50))
+RELAY_BUCKETS = ITL_BUCKETS
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -59,6 +61,13 @@ class ProxyMetrics(ProxyHooks):
             buckets=ITL_BUCKETS,
             registry=registry,
         )
+        self.relay = Histogram(
+            "pdserve_proxy_relay_seconds",
+            "Streaming: time from a token chunk's arrival from a node to its event written to "
+            "the client (detokenizing, stop strings, the write).",
+            buckets=RELAY_BUCKETS,
+            registry=registry,
+        )
         self.e2e = Histogram(
             "pdserve_proxy_e2e_seconds",
             "Request latency, received to finished.",
@@ -83,6 +92,9 @@ class ProxyMetrics(ProxyHooks):
             for _ in range(num_tokens):
                 self.itl.observe(gap)
         timing.last_token = now
+
+    def on_relayed(self, request_id: str, seconds: float) -> None:
+        self.relay.observe(seconds)
 
     def on_finished(
         self, request_id: str, finish_reason: str, prompt_tokens: int, completion_tokens: int

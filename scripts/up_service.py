@@ -43,6 +43,42 @@ def sample_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def histogram_quantile(
+    before: str, after: str, name: str, q: float, **labels: str
+) -> tuple[float | None, float]:
+    """The q-quantile (linear within a bucket, as Prometheus's histogram_quantile) of the
+    observations of histogram `name` (labels including `labels`) made between two scrapes
+    of the same process, and their count; (None, 0) if there were none."""
+
+    def buckets(text: str) -> dict[float, float]:
+        out: dict[float, float] = {}
+        pattern = re.compile(rf"^{re.escape(name)}_bucket\{{([^}}]*)\}} (\S+)$")
+        for line in text.splitlines():
+            m = pattern.match(line)
+            if not m:
+                continue
+            tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if all(tags.get(k) == v for k, v in labels.items()):
+                le = float(tags["le"])
+                out[le] = out.get(le, 0.0) + float(m.group(2))
+        return out
+
+    b0, b1 = buckets(before), buckets(after)
+    cum = sorted((le, b1[le] - b0.get(le, 0.0)) for le in b1)
+    total = cum[-1][1] if cum else 0.0
+    if total <= 0:
+        return None, 0.0
+    rank, lower, below = q * total, 0.0, 0.0
+    for le, count in cum:
+        if count >= rank:
+            if le == float("inf"):
+                return lower, total  # beyond the last bound: the bound is all we know
+            inside = count - below
+            return lower + (le - lower) * ((rank - below) / inside if inside else 1.0), total
+        lower, below = le, count
+    return lower, total
+
+
 class UpService:
     """`pdserve up --port 0 --log-dir DIR/node-logs *up_args`; its output in DIR/up.log.
     Ready when the proxy's /health says ok; RuntimeError (with the log's tail) if it exits

@@ -48,6 +48,34 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """Where one engine step's time went (seconds, wall clock on the engine thread).
+
+    On a GPU the forward is launched asynchronously and waited for when the sampled tokens
+    are read back, so there `forward_s` is mostly launch time and `sample_s` holds the wait.
+    """
+
+    admit_s: float  # commands applied: new requests, landed KV admitted, aborts, releases
+    schedule_s: float
+    forward_s: float  # inputs built, model run, logits
+    sample_s: float
+    output_s: float  # outputs made, records updated, state published
+    num_decode: int  # sequences in the batch that decode one token
+    num_prefill_tokens: int
+
+    @property
+    def total_s(self) -> float:
+        return self.admit_s + self.schedule_s + self.forward_s + self.sample_s + self.output_s
+
+    @property
+    def kind(self) -> str:
+        """decode (decode tokens only), prefill (prompt chunks only) or mixed."""
+        if not self.num_prefill_tokens:
+            return "decode"
+        return "mixed" if self.num_decode else "prefill"
+
+
+@dataclass(frozen=True)
 class Completion:
     """One prompt's result from `LLMEngine.generate`."""
 
@@ -103,6 +131,8 @@ class LLMEngine:
         self.integrity_violations = 0  # found by check_integrity_when_idle
         self.prefill_tokens_per_s: float | None = None  # measured (see _measure)
         self._step_times: deque[float] = deque(maxlen=64)  # the last steps' forward seconds
+        # Called on the engine thread after every step that ran a batch (node metrics).
+        self.on_step: Callable[[StepTiming], None] | None = None
         self._publish()
 
     # -- commands (any thread) -------------------------------------------------
@@ -310,12 +340,15 @@ class LLMEngine:
         return bool(self._inbox) or self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
         outputs = self.apply_commands()
+        t1 = time.perf_counter()
         batch = self.scheduler.schedule()
+        t2 = t3 = time.perf_counter()
         if len(batch):
-            started = time.perf_counter()
             sampled = self.runner.run(batch)
-            seconds = time.perf_counter() - started
+            t3 = time.perf_counter()
+            seconds = t3 - t2
             self._step_times.append(seconds)
             self._measure(batch.num_tokens - batch.num_decode, seconds)
             outputs += self.scheduler.postprocess(batch, sampled)
@@ -326,6 +359,19 @@ class LLMEngine:
             elif out.finished:
                 self._forget(out.request_id)
         self._publish()
+        if len(batch) and self.on_step is not None:
+            sample_s = self.runner.last_sample_s
+            self.on_step(
+                StepTiming(
+                    admit_s=t1 - t0,
+                    schedule_s=t2 - t1,
+                    forward_s=t3 - t2 - sample_s,
+                    sample_s=sample_s,
+                    output_s=time.perf_counter() - t3,
+                    num_decode=batch.num_decode,
+                    num_prefill_tokens=batch.num_tokens - batch.num_decode,
+                )
+            )
         return outputs
 
     def apply_commands(self) -> list[StepOutput]:

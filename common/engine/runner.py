@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kernels = kernels
         self.device = kv_cache.device
+        self.last_sample_s = 0.0  # the sampling time of the last run() (engine metrics)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs = self.block_size
@@ -72,13 +74,17 @@ class ModelRunner:
         x = self.prepare(batch)
         hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
         if not x.sample_rows:
+            self.last_sample_s = 0.0
             return []
         logits = self.model.compute_logits(hidden[x.sample_rows])
-        return sample(
+        started = time.perf_counter()
+        tokens = sample(
             logits,
             [s.sampling for s in x.sample_seqs],
             [s.num_output_tokens for s in x.sample_seqs],
         )
+        self.last_sample_s = time.perf_counter() - started
+        return tokens
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64, device=self.device)

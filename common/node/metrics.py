@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from common.engine.engine import StepTiming
 from common.wire.stage import NODE_STAGES
 
 
@@ -46,6 +47,12 @@ class _StateCollector(Collector):
                 "Times the engine found its KV block books unbalanced when it went idle",
                 value=violations,
             )
+
+
+# 100 us to 5 s in steps of 1.25x: fine enough to compare a tail (p99) with another within
+# a few percent (the decode-tail check compares stream gaps with step times).
+STEP_BUCKETS = tuple(round(1e-4 * 1.25**k, 7) for k in range(50))
+STEP_PHASES = ("admit", "schedule", "forward", "sample", "output", "total")
 
 
 class NodeMetrics:
@@ -104,6 +111,22 @@ class NodeMetrics:
             registry=registry,
             buckets=tuple(2**i for i in range(12, 34, 2)),
         )
+        self.step_seconds = Histogram(
+            "pdserve_engine_step_seconds",
+            "Engine step time by phase (admit: commands and landed KV applied; schedule; "
+            "forward; sample; output: outputs made and state published; total) and by batch "
+            "(decode: decode tokens only; prefill: prompt chunks only; mixed)",
+            ["phase", "batch"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+        self.token_gap = Histogram(
+            "pdserve_node_itl_seconds",
+            "Decoding: seconds between consecutive token lines of a stream as this node writes "
+            "them (engine step, hand-over to the event loop, the write)",
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
         self.transfer_failures = Counter(
             "pdserve_transfer_failures_total", "Failed KV transfers", ["reason"], registry=registry
         )
@@ -121,3 +144,12 @@ class NodeMetrics:
         for reason in ("peer_lost", "backend_error", "aborted_by_peer", "closed"):
             self.transfer_failures.labels(reason=reason)
         self.queue_wait.labels("prefill" if role == "prefill" else "decode")
+
+    def observe_step(self, t: StepTiming) -> None:
+        """One engine step's phases (called on the engine thread; the histograms lock)."""
+        for phase, seconds in zip(
+            STEP_PHASES,
+            (t.admit_s, t.schedule_s, t.forward_s, t.sample_s, t.output_s, t.total_s),
+            strict=True,
+        ):
+            self.step_seconds.labels(phase=phase, batch=t.kind).observe(seconds)

@@ -117,6 +117,7 @@ class NodeServer:
         self.front = runtime.front
         self.fingerprint = runtime.fingerprint
         self.metrics = NodeMetrics(CollectorRegistry(), self.role, self.state)
+        self.engine.on_step = self.metrics.observe_step
         self.draining = False
         self.url = ""
         self._runner: web.AppRunner | None = None  # set while serving HTTP
@@ -360,16 +361,19 @@ async def stream_outputs(
     outputs: AsyncGenerator[StepOutput, None],
     resp: web.StreamResponse | None = None,
     on_first: Callable[[StepOutput], list[NodeEvent]] | None = None,
+    token_gap: Callable[[float], None] | None = None,
 ) -> web.StreamResponse:
     """Write engine outputs as NDJSON TokenDelta lines until the request finishes.
 
     `resp` may already be prepared. `on_first(output)` gives the trace events the first line
-    carries (called for the output that has the request's engine times). A disconnect
+    carries (called for the output that has the request's engine times). `token_gap(s)` is
+    told the seconds between consecutive token lines as this node writes them. A disconnect
     cancels this handler; closing `outputs` then aborts the request.
     """
     if resp is None:
         resp = ndjson_response()
         await resp.prepare(request)
+    last: float | None = None
     try:
         async for out in outputs:
             reason = out.finish_reason.wire_name if out.finish_reason is not None else None
@@ -382,6 +386,11 @@ async def stream_outputs(
                 num_cached_tokens=out.num_cached_tokens,
             )
             await resp.write(to_json(delta) + b"\n")
+            if out.new_token_ids and token_gap is not None:
+                now = time.monotonic()
+                if last is not None:
+                    token_gap((now - last) / len(out.new_token_ids))
+                last = now
     except RuntimeError as e:  # the engine died mid-stream
         delta = TokenDelta(request_id=request_id, token_ids=[], error=str(e))
         await resp.write(to_json(delta) + b"\n")

@@ -7,8 +7,9 @@ inter-stage queue -> decode pool), colocated nodes, or (in tests) an in-process 
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.wire.sampling_params import SamplingParams
@@ -39,6 +40,8 @@ class TokenChunk:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None
     num_cached_tokens: int | None = None  # first chunk: prompt tokens served from a cache
+    # When the proxy got it (time.monotonic()): the relay time to the client starts here.
+    arrived: float = field(default_factory=time.monotonic, compare=False)
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 from aiohttp import web
 
@@ -43,6 +44,7 @@ class Generation:
             stop_ids.update(tokenizer.eos_token_ids)
         self.text = TextStream(tokenizer, prep.generation.prompt_token_ids, prep.stop, stop_ids)
         self._tokens: TokenStream = backend.generate(prep.generation)
+        self.arrived = 0.0  # when the last backend chunk arrived (time.monotonic())
 
     @property
     def request_id(self) -> str:
@@ -69,6 +71,7 @@ class Generation:
             chunk = await anext(self._tokens)
         except StopAsyncIteration:
             raise BackendError.failed("the backend ended the stream without finishing") from None
+        self.arrived = chunk.arrived
         self.events.tokens(len(chunk.token_ids))
         delta = self.text.push(chunk)
         if delta.finish_reason is not None:
@@ -134,6 +137,7 @@ async def _write_events(
         event = fmt.stream_delta(delta)
         if event is not None:
             await resp.write(event)
+            gen.events.relayed(time.monotonic() - gen.arrived)
         if delta.finish_reason is not None:
             break
         delta = await gen.next_text()

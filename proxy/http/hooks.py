@@ -36,6 +36,10 @@ class ProxyHooks:
     def on_tokens(self, request_id: str, num_tokens: int) -> None:
         """A backend chunk of ``num_tokens`` tokens arrived (the first chunk included)."""
 
+    def on_relayed(self, request_id: str, seconds: float) -> None:
+        """A streamed chunk's event was written to the client, `seconds` after its chunk
+        arrived from the backend (detokenizing, stop strings, the write)."""
+
     def on_finished(
         self, request_id: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
     ) -> None:
@@ -68,6 +72,9 @@ class RequestEvents:
             self._seen_first = True
             self.hooks.on_first_token(self.request_id)
         self.hooks.on_tokens(self.request_id, num_tokens)
+
+    def relayed(self, seconds: float) -> None:
+        self.hooks.on_relayed(self.request_id, seconds)
 
     def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         if self._end():

@@ -159,6 +159,7 @@ PROXY_FAMILIES = [
     "pdserve_proxy_requests_in_flight",
     "pdserve_proxy_ttft_seconds_count",
     "pdserve_proxy_itl_seconds_count",
+    "pdserve_proxy_relay_seconds_count",
     "pdserve_proxy_e2e_seconds_count",
     "pdserve_edge_queue_depth",
     "pdserve_edge_wait_seconds_count",
@@ -179,6 +180,7 @@ NODE_FAMILIES = [
     "pdserve_cancellations_total",
     "pdserve_lease_expiries_total",
     "pdserve_kv_wait_timeouts_total",
+    "pdserve_engine_step_seconds_count",
 ]
 
 
@@ -243,6 +245,22 @@ def test_metrics_on_every_process_after_traffic_add_up(
     assert delta(decode.url, "pdserve_node_requests_total", outcome="admitted") == n
     free = sample_sum(after[decode.url], "pdserve_kv_blocks", state="free")
     assert free == decode.state()["blocks"]["total"]
+    # Where decode time goes: the decode node wrote tokens 2..6 of each stream as 5 lines
+    # (4 gaps each); every content event the proxy wrote counted its relay time.
+    assert delta(decode.url, "pdserve_node_itl_seconds_count") == n * 4
+    assert n <= delta(cluster.proxy.url, "pdserve_proxy_relay_seconds_count") <= n * 6
+    # Engine steps by phase: the phases of each batch kind add up to its total.
+    for node, kind in ((prefill, "prefill"), (decode, "decode")):
+        steps = delta(node.url, "pdserve_engine_step_seconds_count", phase="total", batch=kind)
+        assert steps >= (1 if kind == "prefill" else 5), (node.name, steps)
+        parts = sum(
+            delta(node.url, "pdserve_engine_step_seconds_sum", phase=phase, batch=kind)
+            for phase in ("admit", "schedule", "forward", "sample", "output")
+        )
+        total = delta(node.url, "pdserve_engine_step_seconds_sum", phase="total", batch=kind)
+        assert parts == pytest.approx(total, rel=1e-6) and total > 0
+        forward = delta(node.url, "pdserve_engine_step_seconds_sum", phase="forward", batch=kind)
+        assert 0 < forward <= total
 
 
 def test_a_second_turn_moves_only_the_blocks_the_decode_node_lacks(

@@ -122,3 +122,24 @@ def test_compare_routing_report_has_every_deployment_and_the_cache_ratio() -> No
     metrics = 'x_total{policy="cost",cache_vs_queue="disagree"} 3.0\nx_total{policy="cost"} 5\n'
     assert cr.sample_sum(metrics, "x_total", cache_vs_queue="disagree") == 3.0
     assert cr.sample_sum(metrics, "x_total") == 8.0
+
+
+def test_histogram_quantiles_between_two_scrapes_interpolate_within_buckets() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    h = Histogram("step_seconds", "", ["phase"], buckets=(0.01, 0.02, 0.04), registry=registry)
+    h.labels("forward").observe(0.5)  # before the run: not counted
+    before = generate_latest(registry).decode()
+    for v in [0.005] * 50 + [0.015] * 40 + [0.03] * 10:
+        h.labels("forward").observe(v)
+    h.labels("sample").observe(0.001)  # another label: not counted
+    after = generate_latest(registry).decode()
+    quantile = _script("up_service").histogram_quantile
+    assert quantile(before, after, "step_seconds", 0.5, phase="forward") == (0.01, 100)
+    p75, _ = quantile(before, after, "step_seconds", 0.75, phase="forward")
+    assert p75 is not None and abs(p75 - 0.01625) < 1e-9  # 25 of the 40 in (0.01, 0.02]
+    p99, _ = quantile(before, after, "step_seconds", 0.99, phase="forward")
+    assert p99 is not None and abs(p99 - 0.038) < 1e-9
+    assert quantile(before, before, "step_seconds", 0.5) == (None, 0.0)
+    assert quantile(before, after, "step_seconds", 0.5)[1] == 101  # both labels

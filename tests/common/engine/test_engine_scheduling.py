@@ -279,3 +279,27 @@ def test_random_schedules_match_solo_runs(trial, make_engine, engine_driver, sol
             assert got[rid] == expected[: len(got[rid])], rid
         else:
             assert got[rid] == expected, rid
+
+
+def test_every_step_reports_where_its_time_went(make_engine, engine_driver):
+    from common.engine.engine import StepTiming
+
+    engine = make_engine(max_num_batched_tokens=32)
+    seen: list[StepTiming] = []
+    engine.on_step = seen.append
+    driver = engine_driver(engine)
+    driver.add("long", prompts(40)[0], greedy(4))  # two chunks of prefill, then decode
+    driver.step()
+    driver.step()
+    driver.add("short", prompts(5, seed=4)[0], greedy(4))
+    driver.finish()
+    kinds = [t.kind for t in seen]
+    assert kinds[0] == "prefill" and "mixed" in kinds and kinds[-1] == "decode"
+    first = seen[0]
+    assert first.num_prefill_tokens == 32 and first.num_decode == 0
+    for t in seen:
+        parts = (t.admit_s, t.schedule_s, t.forward_s, t.sample_s, t.output_s)
+        assert all(p >= 0 for p in parts) and t.total_s == pytest.approx(sum(parts))
+        assert t.forward_s > 0
+    # A step that samples nothing (the first chunk of the long prompt) spends no time on it.
+    assert first.sample_s == 0 and all(t.sample_s > 0 for t in seen[1:])
