@@ -231,6 +231,10 @@ class MultiHooks(ProxyHooks):
         for h in self.hooks:
             h.on_tokens(request_id, num_tokens)
 
+    def on_relayed(self, request_id: str, seconds: float) -> None:
+        for h in self.hooks:
+            h.on_relayed(request_id, seconds)
+
     def on_finished(
         self, request_id: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
     ) -> None:

@@ -96,7 +96,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "p99_ms": q(url, name, 0.99, **labels), "count": count}  # fmt: skip
 
     itl = bench["itl_ms"] or {}
-    rows = [{"what": "client ITL (bench-serve)", "p50_ms": itl.get("p50"),
+    rows: list[dict[str, Any]] = [{"what": "client ITL (bench-serve)", "p50_ms": itl.get("p50"),
              "p99_ms": itl.get("p99"), "count": None}]  # fmt: skip
     rows += [
         row("proxy ITL (chunk arrivals)", up.url, "pdserve_proxy_itl_seconds"),

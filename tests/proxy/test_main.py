@@ -87,3 +87,19 @@ async def _openai_calls(
     assert await waiting.text()
     async with s.get(url + "/admin/nodes") as r:
         assert [n["role"] for n in (await r.json())["nodes"]] == ["prefill", "decode"]
+
+
+def test_multi_hooks_pass_on_every_hook() -> None:
+    """A hook added to ProxyHooks and not forwarded by MultiHooks would silently never fire
+    (the relay-time histogram stayed empty that way)."""
+    import inspect
+
+    from proxy.http.hooks import ProxyHooks
+    from proxy.trace import MultiHooks
+
+    hooks = [
+        n for n, _ in inspect.getmembers(ProxyHooks, inspect.isfunction) if n.startswith("on_")
+    ]
+    assert "on_relayed" in hooks
+    for name in hooks:
+        assert getattr(MultiHooks, name) is not getattr(ProxyHooks, name), name
