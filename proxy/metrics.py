@@ -23,7 +23,6 @@ from proxy.http.hooks import ProxyHooks
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # 100 us to 5 s in steps of 1.25x (as the nodes' step times: tails compared side by side).
 ITL_BUCKETS = tuple(round(1e-4 * 1.25**k, 7) for k in range(50))
-RELAY_BUCKETS = ITL_BUCKETS
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -65,7 +64,7 @@ class ProxyMetrics(ProxyHooks):
             "pdserve_proxy_relay_seconds",
             "Streaming: time from a token chunk's arrival from a node to its event written to "
             "the client (detokenizing, stop strings, the write).",
-            buckets=RELAY_BUCKETS,
+            buckets=ITL_BUCKETS,
             registry=registry,
         )
         self.e2e = Histogram(

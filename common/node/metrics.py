@@ -120,6 +120,11 @@ class NodeMetrics:
             buckets=STEP_BUCKETS,
             registry=registry,
         )
+        # The step histogram's series, bound once: no label lookup on the engine step.
+        self._step_children = {
+            kind: [self.step_seconds.labels(phase=p, batch=kind) for p in STEP_PHASES]
+            for kind in ("decode", "prefill", "mixed")
+        }
         self.token_gap = Histogram(
             "pdserve_node_itl_seconds",
             "Decoding: seconds between consecutive token lines of a stream as this node writes "
@@ -147,9 +152,10 @@ class NodeMetrics:
 
     def observe_step(self, t: StepTiming) -> None:
         """One engine step's phases (called on the engine thread; the histograms lock)."""
-        for phase, seconds in zip(
-            STEP_PHASES,
+        children = self._step_children[t.kind]
+        for child, seconds in zip(
+            children,
             (t.admit_s, t.schedule_s, t.forward_s, t.sample_s, t.output_s, t.total_s),
             strict=True,
         ):
-            self.step_seconds.labels(phase=phase, batch=t.kind).observe(seconds)
+            child.observe(seconds)
