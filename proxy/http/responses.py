@@ -37,6 +37,35 @@ def sse_error(error: ApiError) -> bytes:
     return sse_event(json.dumps(error.body()))
 
 
+_MARK = "pdserveTextMark7f3a"
+
+
+class TextEvents:
+    """The SSE event of a text-only delta, from a template made once per response.
+
+    `sample(text)` is the endpoint's chunk carrying `text` (built and serialized by the
+    pydantic models); the template is that event split around the text, so every event
+    after the first costs one `json.dumps` of the text instead of building and serializing
+    the models again. The result is the same JSON (tests compare them)."""
+
+    def __init__(self, sample: bytes) -> None:
+        mark = json.dumps(_MARK).encode()
+        if sample.count(mark) != 1:  # the id or model name holds the mark: no template
+            self._parts: tuple[bytes, bytes] | None = None
+        else:
+            head, tail = sample.split(mark)
+            self._parts = (head, tail)
+
+    @staticmethod
+    def mark() -> str:
+        return _MARK
+
+    def event(self, text: str) -> bytes | None:
+        if self._parts is None:
+            return None
+        return self._parts[0] + json.dumps(text, ensure_ascii=False).encode() + self._parts[1]
+
+
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
@@ -73,6 +102,7 @@ class CompletionFormat:
 
     def __init__(self, meta: ResponseMeta) -> None:
         self.meta = meta
+        self._text = TextEvents(self._delta_chunk(TextDelta(TextEvents.mark())))
 
     def stream_start(self) -> list[bytes]:
         return []
@@ -80,6 +110,13 @@ class CompletionFormat:
     def stream_delta(self, delta: TextDelta) -> bytes | None:
         if not delta.text and delta.finish_reason is None:
             return None
+        if delta.finish_reason is None:
+            event = self._text.event(delta.text)
+            if event is not None:
+                return event
+        return self._delta_chunk(delta)
+
+    def _delta_chunk(self, delta: TextDelta) -> bytes:
         choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
         return self._chunk([choice], None)
 
@@ -106,6 +143,7 @@ class ChatFormat:
 
     def __init__(self, meta: ResponseMeta) -> None:
         self.meta = meta
+        self._text = TextEvents(self._delta_chunk(TextDelta(TextEvents.mark())))
 
     def stream_start(self) -> list[bytes]:
         first = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
@@ -114,6 +152,13 @@ class ChatFormat:
     def stream_delta(self, delta: TextDelta) -> bytes | None:
         if not delta.text and delta.finish_reason is None:
             return None
+        if delta.finish_reason is None:
+            event = self._text.event(delta.text)
+            if event is not None:
+                return event
+        return self._delta_chunk(delta)
+
+    def _delta_chunk(self, delta: TextDelta) -> bytes:
         content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
         choice = ChatStreamChoice(delta=content, finish_reason=delta.finish_reason)
         return self._chunk([choice], None)

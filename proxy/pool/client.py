@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -59,6 +60,7 @@ GENERATE_PATH = "/internal/generate"
 CANCEL_PATH = "/internal/cancel"
 JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_BODY = 64 * 1024
+MAX_LINE_BYTES = 1 << 20  # a token stream's longest line
 KV_ERROR_CODES = frozenset({"kv_failed", "kv_timeout", "kv_handshake"})
 R = TypeVar("R", bound=Message)
 T = TypeVar("T")
@@ -137,22 +139,40 @@ class NodeStream:
         self.received = False  # a line came
         self._on_close = on_close
         self._aborted: NodeLost | None = None
+        self._wait: tuple[float, float, bool] | None = None  # deadline, timeout, stalled
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._lines: deque[bytes] = deque()  # received, not yet taken
+        self._partial = b""  # the start of the next line
         self.events: list[tuple[str, float]] = []  # trace events the node sent, until taken
 
     async def next_chunk(self) -> TokenChunk:
-        """The next chunk; the last one carries `finish_reason`. BackendError (502) on an error
-        line, garbage, a timeout, or the stream ending without a finish."""
-        while True:
-            line = await self._readline()
-            if not line:
-                raise NodeLost(
-                    self.url, f"node {self.url} ended the stream without finishing", True
-                )
-            if line.strip():
-                return self._chunk(line)
+        """The next chunk: the token lines received so far, merged into one (a reader that
+        falls behind its node takes fewer, larger chunks, and relays them with one event
+        each, as vLLM's output collector merges the outputs its consumer has not taken).
+        The last chunk carries `finish_reason`. BackendError (502) on an error line,
+        garbage, a timeout, or the stream ending without a finish."""
+        while not self._lines:
+            await self._fill()
+        chunk = self._chunk(self._parse(self._lines.popleft()))
+        while chunk.finish_reason is None and self._lines:
+            delta = self._parse(self._lines[0])
+            if delta.error is not None:
+                break  # the next call raises it, after these tokens are relayed
+            self._lines.popleft()
+            more = self._chunk(delta)
+            chunk = TokenChunk(
+                chunk.token_ids + more.token_ids,
+                more.finish_reason,
+                chunk.num_cached_tokens,
+                chunk.arrived,
+            )
+        return chunk
 
     def close(self) -> None:
         self._resp.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._on_close is not None:
             self._on_close(self)
             self._on_close = None
@@ -163,48 +183,72 @@ class NodeStream:
             self._aborted = error
         self._resp.close()
 
-    async def _readline(self) -> bytes:
+    async def _fill(self) -> None:
+        """Wait for more of the stream and queue its complete, non-blank lines."""
         if self._aborted is not None:
             raise self._aborted
         timeout = self._read_timeout_s
         stalled = self.received and 0 < self.stall_s < timeout
         if stalled:
             timeout = self.stall_s
+        deadline = asyncio.get_running_loop().time() + timeout
+        self._wait = (deadline, timeout, stalled)
+        if self._watchdog is None or self._watchdog.when() > deadline:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            self._watch()
         try:
-            line = await asyncio.wait_for(self._resp.content.readline(), timeout)
-        except asyncio.TimeoutError:
-            raise NodeLost(
-                self.url,
-                f"node {self.url} sent nothing for {timeout:g} s",
-                True,
-                cause="stalled" if stalled else "broken",
-            ) from None
+            data = await self._resp.content.readany()
         except aiohttp.ClientError as e:
             if self._aborted is not None:
                 raise self._aborted from None
             raise NodeLost(self.url, f"node {self.url} stream broke: {e!r}", True) from None
-        except ValueError as e:  # an over-long line
-            raise BackendError.failed(f"node {self.url} sent a bad stream: {e!r}") from None
+        finally:
+            self._wait = None
         if self._aborted is not None:
             raise self._aborted
-        if line:
+        if not data:
+            raise NodeLost(self.url, f"node {self.url} ended the stream without finishing", True)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        if len(self._partial) > MAX_LINE_BYTES:
+            raise BackendError.failed(f"node {self.url} sent a line over {MAX_LINE_BYTES} bytes")
+        self._lines.extend(line for line in lines if line.strip())
+        if self._lines:
             self.received, self.kv_from = True, None
-        return line
 
-    def _chunk(self, line: bytes) -> TokenChunk:
+    def _watch(self) -> None:
+        """The read timeout, one timer per stream rather than one per read: it sleeps until
+        the current wait's deadline, and ends the stream (`abort`) if a read is still waiting
+        then; a read that finished in time leaves the timer to lapse."""
+        self._watchdog = None
+        if self._wait is None or self._aborted is not None:
+            return
+        deadline, timeout, stalled = self._wait
+        loop = asyncio.get_running_loop()
+        if loop.time() < deadline:
+            self._watchdog = loop.call_at(deadline, self._watch)
+            return
+        cause = "stalled" if stalled else "broken"
+        message = f"node {self.url} sent nothing for {timeout:g} s"
+        self.abort(NodeLost(self.url, message, True, cause))
+
+    def _parse(self, line: bytes) -> TokenDelta:
         try:
             delta = from_json(line, TokenDelta)
         except MessageError as e:
             raise BackendError.failed(f"node {self.url} sent a bad stream line: {e}") from None
         if delta.request_id != self.request_id:
             raise BackendError.failed(f"node {self.url} streamed tokens of another request")
+        return delta
+
+    def _chunk(self, delta: TokenDelta) -> TokenChunk:
         self.events += delta.events
         if delta.error is not None:
             message = f"node {self.url} failed the request: {delta.error}"
             if delta.error_code in KV_ERROR_CODES:  # the KV never came: re-prefill may help
                 raise NodeLost(self.url, message, node_down=False)
             raise BackendError.failed(message)
-        return TokenChunk(list(delta.token_ids), delta.finish_reason, delta.num_cached_tokens)
+        return TokenChunk(delta.token_ids, delta.finish_reason, delta.num_cached_tokens)
 
 
 class NodeClient:

@@ -95,7 +95,7 @@ def test_abort_ends_the_streams_and_calls_waiting_on_a_lost_node_and_nothing_els
                     await waiting.next_chunk()
                 assert lost.value.cause == "node_down" and "its KV" in lost.value.message
                 d1.release("b")
-                assert (await other.next_chunk()).token_ids == [8]  # not on the lost node
+                assert (await other.next_chunk()).token_ids[0] == 8  # not on the lost node
                 other.close()
                 waiting.close()
                 assert client.abort(prefill.url, "again") == 0

@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""A load test of the proxy alone: how many requests and tokens one proxy core relays, and
+the latency the proxy adds. THE NODES ARE STAND-INS that answer instantly
+(`proxy.bench.standin`): nothing here measures serving, only the proxy's own cost.
+
+    python scripts/bench_proxy.py [--duration-s S] [--json OUT] [--model M]
+        [--streams C] [--output-tokens N] [--rate R] [--proxy-core K] [--proxies P]
+
+The proxy runs as its own process (`pdserve proxy`, the real one, in front of one prefill
+and one decode stand-in), pinned to core K when the machine has more than one; this
+process runs the stand-ins and the client on the other cores. Three phases of S seconds:
+
+- throughput: C streams at once, closed loop, N output tokens each: relayed tokens/s;
+- requests: C streams at once, closed loop, 2 output tokens each (a prefill call, a decode
+  stream, the SSE response): new streaming requests/s;
+- latency: R new requests/s, open loop, 16 tokens each, paced 20 ms apart by the decode
+  stand-in: the client's TTFT (the proxy's whole added time, plus loopback hops to nodes
+  that answer at once) and, per token, the time from the stand-in's write to the client's
+  read (what the proxy's relay adds to every token).
+
+Each phase reads the proxy's CPU time from /proc, so rates are also given per proxy core
+(rate / fraction of a core the proxy used): when the client side is the bottleneck (the
+proxy below one core), the per-core figure is what one saturated proxy core would relay.
+`--proxies P` starts P proxies in front of the same stand-ins and spreads the clients over
+them (each on its own core where there are enough).
+
+JSON (`--json OUT`): `requests_per_s`, `tokens_per_s`, `added_ttft_ms_p99` (the headline
+numbers: requests phase, throughput phase, latency phase), their per-core forms, and each
+phase's details. Exit status 0, or 1 when a phase completed no request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.cli.models import model_dir  # noqa: E402
+from common.text.tokenizer import Tokenizer  # noqa: E402
+from proxy.bench.standin import StandInNode  # noqa: E402
+
+TEXT = (
+    " The proxy relays every token of every stream to its client as a server sent event,"
+    " and this text is what the stand-in nodes stream back over and over again."
+)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration-s", type=float, default=10.0, help="seconds per phase")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT")
+    p.add_argument("--model", default=None, help="the proxy's tokenizer (default model if unset)")
+    p.add_argument("--streams", type=int, default=64, help="concurrent streams (closed loop)")
+    p.add_argument("--output-tokens", type=int, default=256, help="throughput phase")
+    p.add_argument("--rate", type=float, default=100.0, help="latency phase, new requests/s")
+    p.add_argument("--token-interval-ms", type=float, default=20.0, help="latency phase")
+    p.add_argument("--proxy-core", type=int, default=0, help="the first proxy's CPU core")
+    p.add_argument("--proxies", type=int, default=1, help="proxies in front of the stand-ins")
+    p.add_argument("--request-timeout-s", type=float, default=60.0)
+    p.add_argument("--phases", default="throughput,requests,latency", help="comma-separated subset")
+    return p
+
+
+# -- the proxy processes ---------------------------------------------------------------------
+
+
+@dataclass
+class ProxyProcess:
+    proc: subprocess.Popen[bytes]
+    url: str = ""
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the process so far (all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+async def start_proxy(
+    model: str, prefill: str, decode: str, core: int | None, timeout_s: float = 120.0
+) -> ProxyProcess:
+    argv = [
+        sys.executable, "-m", "common.cli", "proxy", "--host", "127.0.0.1", "--port", "0",
+        "--model", model, "--prefill", prefill, "--decode", decode, "--log-level", "WARNING",
+        "--poll-interval-s", "0.5",
+    ]  # fmt: skip
+    if core is not None:
+        argv = ["taskset", "-c", str(core), *argv]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proxy = ProxyProcess(proc)
+    assert proc.stdout is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    lines: list[str] = []
+    while not proxy.url:
+        left = deadline - loop.time()
+        line = b""
+        if left > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                read = loop.run_in_executor(None, proc.stdout.readline)
+                line = await asyncio.wait_for(read, left)
+        if not line:
+            proxy.stop()
+            raise RuntimeError("the proxy did not start:\n" + "".join(lines[-20:]))
+        text = line.decode(errors="replace")
+        lines.append(text)
+        if text.startswith("pdserve proxy ready: "):
+            proxy.url = text.split(": ", 1)[1].strip()
+    # Keep draining its output so that it never blocks on a full pipe.
+    loop.run_in_executor(None, _drain, proc)
+    return proxy
+
+
+def _drain(proc: subprocess.Popen[bytes]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stderr.write("[proxy] " + line.decode(errors="replace"))
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(2)) as resp:
+                if resp.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the proxy at {url} did not become healthy")
+        await asyncio.sleep(0.1)
+
+
+# -- the client ------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    tokens: int = 0
+    ttft_s: float | None = None
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each text event
+    request_id: str = ""
+    error: str = ""
+
+
+async def one_request(
+    session: aiohttp.ClientSession, url: str, model: str, max_tokens: int
+) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": "Relay this.",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    out = Outcome(ok=False)
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            out.request_id = resp.headers.get("X-Request-Id", "")
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}"
+                await resp.read()
+                return out
+            async for raw in resp.content:
+                if not raw.startswith(b"data: "):
+                    continue
+                payload = raw[6:].strip()
+                if payload == b"[DONE]":
+                    out.ok = True
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    out.error = "stream error"
+                    break
+                if event.get("usage"):
+                    out.tokens = event["usage"]["completion_tokens"]
+                choices = event.get("choices") or ()
+                if choices and choices[0].get("text"):
+                    now = time.monotonic()
+                    if out.ttft_s is None:
+                        out.ttft_s = now - t0
+                    out.arrivals.append(now)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        out.error = type(e).__name__
+    return out
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    wall_s: float
+    proxy_cpu_s: float
+    outcomes: list[Outcome]
+
+    @property
+    def done(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.ok]
+
+    @property
+    def cores(self) -> float:
+        return self.proxy_cpu_s / self.wall_s
+
+    def summary(self) -> dict[str, Any]:
+        done = self.done
+        tokens = sum(o.tokens for o in done)
+        errors: dict[str, int] = {}
+        for o in self.outcomes:
+            if not o.ok:
+                errors[o.error or "incomplete"] = errors.get(o.error or "incomplete", 0) + 1
+        per_core = max(self.cores, 1e-9)
+        return {
+            "wall_s": round(self.wall_s, 3),
+            "completed": len(done),
+            "failed": len(self.outcomes) - len(done),
+            "tokens": tokens,
+            "errors": errors,
+            "requests_per_s": round(len(done) / self.wall_s, 1),
+            "tokens_per_s": round(tokens / self.wall_s, 1),
+            "proxy_cores_used": round(self.cores, 3),
+            "requests_per_s_per_proxy_core": round(len(done) / self.wall_s / per_core, 1),
+            "tokens_per_s_per_proxy_core": round(tokens / self.wall_s / per_core, 1),
+        }
+
+
+class Bench:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        proxies: list[ProxyProcess],
+        model: str,
+        decode: StandInNode,
+    ) -> None:
+        self.session = session
+        self.proxies = proxies
+        self.model = model
+        self.decode = decode
+        self._next = 0
+
+    def _url(self) -> str:
+        self._next += 1
+        return self.proxies[self._next % len(self.proxies)].url
+
+    def _cpu(self) -> float:
+        return sum(p.cpu_s() for p in self.proxies)
+
+    async def closed_loop(
+        self, name: str, streams: int, max_tokens: int, duration_s: float
+    ) -> PhaseResult:
+        outcomes: list[Outcome] = []
+        end = time.monotonic() + duration_s
+
+        async def worker() -> None:
+            url = self._url()
+            while time.monotonic() < end:
+                outcomes.append(await one_request(self.session, url, self.model, max_tokens))
+
+        cpu0, t0 = self._cpu(), time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(streams)))
+        return PhaseResult(name, time.monotonic() - t0, self._cpu() - cpu0, outcomes)
+
+    async def open_loop(
+        self, rate: float, max_tokens: int, duration_s: float
+    ) -> tuple[PhaseResult, list[float]]:
+        """`rate` requests/s for `duration_s` (a bounded count, evenly spaced); also each
+        token's relay time (stand-in write to client read), seconds."""
+        count = max(1, int(rate * duration_s))
+        self.decode.written.clear()
+        self.decode.record_writes = True
+        tasks: list[asyncio.Task[Outcome]] = []
+        cpu0, t0 = self._cpu(), time.monotonic()
+        try:
+            for i in range(count):
+                delay = t0 + i / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                coro = one_request(self.session, self._url(), self.model, max_tokens)
+                tasks.append(asyncio.ensure_future(coro))
+            outcomes = list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.decode.record_writes = False
+        result = PhaseResult("latency", time.monotonic() - t0, self._cpu() - cpu0, outcomes)
+        relay: list[float] = []
+        for o in result.done:
+            written = self.decode.written.get(o.request_id, [])
+            # Text event k >= 1 carries decode token k - 1 (event 0: the prefill's token).
+            relay += [a - w for a, w in zip(o.arrivals[1:], written, strict=False)]
+        return result, relay
+
+
+def quantile_ms(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
+def stream_tokens(tokenizer: Tokenizer) -> list[int]:
+    """Token ids that each render to text on their own, so every token is one SSE event."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    usable = [i for i in ids if tokenizer.decode([i]).strip() and tokenizer.decode([i]).isascii()]
+    if len(usable) < 8:
+        raise RuntimeError("the tokenizer gave too few plain tokens for the stand-ins")
+    return usable
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = model_dir(args.model)
+    tokens = stream_tokens(Tokenizer.from_dir(model))
+    prefill = StandInNode("prefill", tokens)
+    decode = StandInNode("decode", tokens)
+    cores = _cores()
+    pinned = len(cores) > 1
+    proxy_cores = [cores[(args.proxy_core + i) % len(cores)] for i in range(args.proxies)]
+    client_cores = set(cores) - set(proxy_cores) or set(cores)
+    if pinned:
+        os.sched_setaffinity(0, client_cores)
+    proxies: list[ProxyProcess] = []
+    try:
+        await prefill.start()
+        await decode.start()
+        for core in proxy_cores:
+            pc = core if pinned else None
+            proxies.append(await start_proxy(model, prefill.url, decode.url, pc))
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            for proxy in proxies:
+                await wait_healthy(session, proxy.url)
+            async with session.get(proxies[0].url + "/v1/models") as resp:
+                served = (await resp.json())["data"][0]["id"]
+            bench = Bench(session, proxies, served, decode)
+            await bench.closed_loop("warm-up", 8, 16, min(2.0, args.duration_s))
+            return await _phases(args, bench, decode, proxy_cores if pinned else [])
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+        await decode.stop()
+        await prefill.stop()
+        if pinned:
+            os.sched_setaffinity(0, cores)
+
+
+async def _phases(
+    args: argparse.Namespace, bench: Bench, decode: StandInNode, proxy_cores: list[int]
+) -> dict[str, Any]:
+    phases = {name.strip() for name in args.phases.split(",") if name.strip()}
+    report: dict[str, Any] = {
+        "what": "the proxy alone, in front of stand-in nodes that answer instantly",
+        "proxies": args.proxies,
+        "proxy_cores": proxy_cores,
+        "duration_s": args.duration_s,
+        "phases": {},
+    }
+    if "throughput" in phases:
+        decode.token_interval_s = 0.0
+        r = await bench.closed_loop("throughput", args.streams, args.output_tokens, args.duration_s)
+        report["phases"]["throughput"] = {
+            "streams": args.streams, "output_tokens": args.output_tokens, **r.summary(),
+        }  # fmt: skip
+        report["tokens_per_s"] = r.summary()["tokens_per_s"]
+        report["tokens_per_s_per_proxy_core"] = r.summary()["tokens_per_s_per_proxy_core"]
+    if "requests" in phases:
+        decode.token_interval_s = 0.0
+        r = await bench.closed_loop("requests", args.streams, 2, args.duration_s)
+        report["phases"]["requests"] = {"streams": args.streams, "output_tokens": 2, **r.summary()}
+        report["requests_per_s"] = r.summary()["requests_per_s"]
+        report["requests_per_s_per_proxy_core"] = r.summary()["requests_per_s_per_proxy_core"]
+    if "latency" in phases:
+        decode.token_interval_s = args.token_interval_ms / 1000
+        r, relay = await bench.open_loop(args.rate, 16, args.duration_s)
+        ttfts = [o.ttft_s for o in r.done if o.ttft_s is not None]
+        report["phases"]["latency"] = {
+            "rate": args.rate,
+            "token_interval_ms": args.token_interval_ms,
+            **r.summary(),
+            "ttft_ms_p50": quantile_ms(ttfts, 0.5),
+            "ttft_ms_p99": quantile_ms(ttfts, 0.99),
+            "token_relay_ms_p50": quantile_ms(relay, 0.5),
+            "token_relay_ms_p99": quantile_ms(relay, 0.99),
+            "tokens_timed": len(relay),
+        }
+        report["added_ttft_ms_p99"] = report["phases"]["latency"]["ttft_ms_p99"]
+        report["added_token_ms_p99"] = report["phases"]["latency"]["token_relay_ms_p99"]
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    cores = report["proxy_cores"]
+    print(f"bench_proxy: {report['what']} ({report['proxies']} proxy, cores {cores})")
+    for name, phase in report["phases"].items():
+        print(
+            f"  {name:10s} {phase['completed']:6d} done {phase['failed']:4d} failed  "
+            f"{phase['requests_per_s']:9.1f} req/s {phase['tokens_per_s']:10.1f} tok/s  "
+            f"proxy {phase['proxy_cores_used']:.2f} cores -> "
+            f"{phase['requests_per_s_per_proxy_core']:9.1f} req/s "
+            f"{phase['tokens_per_s_per_proxy_core']:10.1f} tok/s per core"
+        )
+        if name == "latency":
+            print(
+                f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms; "
+                f"token relay p50 {phase['token_relay_ms_p50']} ms "
+                f"p99 {phase['token_relay_ms_p99']} ms ({phase['tokens_timed']} tokens)"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.duration_s <= 0 or args.streams < 1 or args.rate <= 0 or args.proxies < 1:
+        print("bench_proxy: --duration-s, --streams, --rate, --proxies must be positive")
+        return 2
+    report = asyncio.run(run(args))
+    print_report(report)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if all(p["completed"] > 0 for p in report["phases"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

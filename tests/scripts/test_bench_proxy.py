@@ -1,0 +1,37 @@
+"""scripts/bench_proxy.py end to end, briefly: the real proxy process in front of the
+stand-in nodes, every phase, the JSON the issue asks for. Counts only (no speeds)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.scripts.test_compare_scripts import _script
+
+
+@pytest.mark.e2e
+def test_bench_proxy_relays_every_token_and_writes_its_json(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    out = tmp_path / "proxy.json"
+    affinity = os.sched_getaffinity(0)
+    argv = ["--model", str(tiny_model_dir), "--duration-s", "1", "--json", str(out)]
+    argv += ["--streams", "4", "--output-tokens", "24", "--rate", "20"]
+    assert _script("bench_proxy").main(argv) == 0
+    assert os.sched_getaffinity(0) == affinity  # the test process is not left pinned
+    report = json.loads(out.read_text())
+    for key in ("requests_per_s", "tokens_per_s", "added_ttft_ms_p99"):
+        assert report[key] > 0
+    phases = report["phases"]
+    for phase in phases.values():
+        assert phase["failed"] == 0 and phase["completed"] > 0
+    throughput = phases["throughput"]
+    # every request's tokens came through, as the usage chunk counts them
+    assert throughput["tokens"] == throughput["completed"] * 24
+    latency = phases["latency"]
+    assert latency["completed"] == 20  # the open loop's bounded count: rate x duration
+    assert latency["tokens_timed"] == 20 * 15  # each decode token timed, write to read
+    assert latency["token_relay_ms_p50"] >= 0
