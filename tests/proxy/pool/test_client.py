@@ -62,12 +62,17 @@ def _line(request_id: str = "r", **fields: Any) -> bytes:
     return to_json(TokenDelta(request_id=request_id, **fields)) + b"\n"
 
 
-async def _serve(writes: list[bytes], gate: asyncio.Event) -> tuple[web.AppRunner, str]:
+async def _serve(
+    writes: list[bytes], gate: asyncio.Event, peers: list[object] | None = None
+) -> tuple[web.AppRunner, str]:
     """A node whose /internal/generate writes `writes[0]`, waits for `gate`, then writes the
-    rest, each as it is (lines split or joined as the test wants), then ends."""
+    rest, each as it is (lines split or joined as the test wants), then ends. `peers`: each
+    request's client address, appended."""
 
     async def generate(request: web.Request) -> web.StreamResponse:
         await request.read()
+        if peers is not None and request.transport is not None:
+            peers.append(request.transport.get_extra_info("peername"))
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         await resp.write(writes[0])
@@ -146,3 +151,29 @@ def test_a_stream_ending_mid_line_or_an_endless_line_is_a_failure() -> None:
     assert isinstance(cut[-1], NodeLost) and "without finishing" in cut[-1].message
     endless = asyncio.run(_read_all([_line(token_ids=[1]), b"x" * (MAX_LINE_BYTES + 10)]))
     assert isinstance(endless[-1], BackendError) and "over" in endless[-1].message
+
+
+def test_a_stream_read_to_its_end_leaves_its_connection_to_the_next() -> None:
+    """(aiohttp releases the connection when the body ends; closing the stream keeps that.)"""
+
+    async def body() -> list[object]:
+        gate, peers = asyncio.Event(), []
+        gate.set()
+        writes = [_line(token_ids=[1], finish_reason="length")]
+        runner, url = await _serve(writes, gate, peers)
+        client = NodeClient(NodeTimeouts(read_line_s=5.0, stall_s=0))
+        await client.start()
+        try:
+            for rid in ("r", "r", "r"):
+                msg = GenerateRequest(request_id=rid, prompt_token_ids=[1], sampling=SP)
+                stream = await client.open_stream(url, GENERATE_PATH, msg, rid)
+                assert (await stream.next_chunk()).finish_reason == "length"
+                await asyncio.sleep(0.05)  # the end of the response body arrives
+                stream.close()
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return peers
+
+    peers = asyncio.run(body())
+    assert len(peers) == 3 and len(set(peers)) == 1  # one connection, three streams
