@@ -169,46 +169,99 @@ class Outcome:
     error: str = ""
 
 
-async def one_request(
-    session: aiohttp.ClientSession, url: str, model: str, max_tokens: int
-) -> Outcome:
-    body = {
-        "model": model,
-        "prompt": "Relay this.",
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.monotonic()
-    out = Outcome(ok=False)
-    try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            out.request_id = resp.headers.get("X-Request-Id", "")
-            if resp.status != 200:
-                out.error = f"HTTP {resp.status}"
-                await resp.read()
-                return out
-            async for raw in resp.content:
-                if not raw.startswith(b"data: "):
+class Connection:
+    """One keep-alive HTTP/1.1 connection to a proxy, for one request at a time. A small
+    client on asyncio streams rather than aiohttp, so the client side stays cheaper than
+    the proxy it loads."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, url: str) -> Connection:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port), limit=2**20)
+        return cls(reader, writer)
+
+    def close(self) -> None:
+        self.writer.close()
+
+    async def stream(self, body: bytes, out: Outcome, t0: float) -> None:
+        """POST `body` to /v1/completions and read its SSE answer into `out`."""
+        self.writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        status_line = await self.reader.readuntil(b"\r\n")
+        status = int(status_line.split(b" ", 2)[1])
+        headers = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+        for line in headers.split("\r\n"):
+            if line.startswith("x-request-id:"):
+                out.request_id = line.split(":", 1)[1].strip()
+        if "transfer-encoding: chunked" not in headers:
+            length = int(headers.split("content-length:", 1)[1].split("\r\n", 1)[0])
+            await self.reader.readexactly(length)
+            out.error = f"HTTP {status}"
+            return
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
+            data = await self.reader.readexactly(size + 2)
+            if size == 0:
+                break
+            now = time.monotonic()
+            if status != 200:
+                continue
+            for event in data[:-2].split(b"\n\n"):
+                if not event.startswith(b"data: "):
                     continue
-                payload = raw[6:].strip()
-                if payload == b"[DONE]":
-                    out.ok = True
-                    break
-                event = json.loads(payload)
-                if "error" in event:
-                    out.error = "stream error"
-                    break
-                if event.get("usage"):
-                    out.tokens = event["usage"]["completion_tokens"]
-                choices = event.get("choices") or ()
-                if choices and choices[0].get("text"):
-                    now = time.monotonic()
-                    if out.ttft_s is None:
-                        out.ttft_s = now - t0
+                if event == b"data: [DONE]":
+                    out.ok = out.error == ""
+                elif b'"text":"' in event and b'"text":""' not in event:
+                    out.ttft_s = now - t0 if out.ttft_s is None else out.ttft_s
                     out.arrivals.append(now)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        out.error = type(e).__name__
+                elif b'"usage":{' in event:
+                    out.tokens = json.loads(event[6:])["usage"]["completion_tokens"]
+                elif b'"error"' in event:
+                    out.error = "stream error"
+        if status != 200:
+            out.error = f"HTTP {status}"
+
+
+class Pool:
+    """Idle connections to one proxy."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.idle: list[Connection] = []
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.close()
+        self.idle.clear()
+
+
+async def one_request(pool: Pool, model: str, max_tokens: int, timeout_s: float) -> Outcome:
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": "Relay this.",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    out = Outcome(ok=False)
+    t0 = time.monotonic()
+    conn: Connection | None = None
+    try:
+        conn = pool.idle.pop() if pool.idle else await Connection.open(pool.url)
+        await asyncio.wait_for(conn.stream(body, out, t0), timeout_s)
+        pool.idle.append(conn)
+    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
+        out.ok, out.error = False, out.error or type(e).__name__
+        if conn is not None:
+            conn.close()
     return out
 
 
@@ -251,21 +304,22 @@ class PhaseResult:
 
 class Bench:
     def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        proxies: list[ProxyProcess],
-        model: str,
-        decode: StandInNode,
+        self, proxies: list[ProxyProcess], model: str, decode: StandInNode, timeout_s: float
     ) -> None:
-        self.session = session
         self.proxies = proxies
+        self.pools = [Pool(p.url) for p in proxies]
         self.model = model
         self.decode = decode
+        self.timeout_s = timeout_s
         self._next = 0
 
-    def _url(self) -> str:
+    def _pool(self) -> Pool:
         self._next += 1
-        return self.proxies[self._next % len(self.proxies)].url
+        return self.pools[self._next % len(self.pools)]
+
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.close()
 
     def _cpu(self) -> float:
         return sum(p.cpu_s() for p in self.proxies)
@@ -277,9 +331,9 @@ class Bench:
         end = time.monotonic() + duration_s
 
         async def worker() -> None:
-            url = self._url()
+            pool = self._pool()
             while time.monotonic() < end:
-                outcomes.append(await one_request(self.session, url, self.model, max_tokens))
+                outcomes.append(await one_request(pool, self.model, max_tokens, self.timeout_s))
 
         cpu0, t0 = self._cpu(), time.monotonic()
         await asyncio.gather(*(worker() for _ in range(streams)))
@@ -300,7 +354,7 @@ class Bench:
                 delay = t0 + i / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                coro = one_request(self.session, self._url(), self.model, max_tokens)
+                coro = one_request(self._pool(), self.model, max_tokens, self.timeout_s)
                 tasks.append(asyncio.ensure_future(coro))
             outcomes = list(await asyncio.gather(*tasks))
         finally:
@@ -350,16 +404,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for core in proxy_cores:
             pc = core if pinned else None
             proxies.append(await start_proxy(model, prefill.url, decode.url, pc))
-        connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
             for proxy in proxies:
                 await wait_healthy(session, proxy.url)
             async with session.get(proxies[0].url + "/v1/models") as resp:
                 served = (await resp.json())["data"][0]["id"]
-            bench = Bench(session, proxies, served, decode)
+        bench = Bench(proxies, served, decode, args.request_timeout_s)
+        try:
             await bench.closed_loop("warm-up", 8, 16, min(2.0, args.duration_s))
             return await _phases(args, bench, decode, proxy_cores if pinned else [])
+        finally:
+            bench.close()
     finally:
         for proxy in proxies:
             proxy.stop()

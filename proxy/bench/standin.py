@@ -4,9 +4,13 @@ A `StandInNode` speaks the nodes' internal HTTP API (`common.wire.node_messages`
 `/state`, `/internal/{prefill,extend,decode,generate,cancel}`, and answers at once, with no
 engine and no KV behind it. A prefill returns token `tokens[0]` and a KV handle nobody will
 read; a decode (or generate) streams `max_tokens - 1` (or `max_tokens`) token lines from
-`tokens`, one line per token as a real node writes them, the last one finishing "length".
-`token_interval_s` paces the lines (0: as fast as the connection takes them). What a
-benchmark measures through these nodes is the proxy's own cost, nothing about serving.
+`tokens`, one line per write as a real node writes them, the last one finishing "length".
+`token_interval_s` paces the lines (0: back to back). What a benchmark measures through
+these nodes is the proxy's own cost, nothing about serving.
+
+It is a small HTTP/1.1 server on asyncio's protocol API (keep-alive, Content-Length request
+bodies, chunked responses), not aiohttp: a load test of the proxy must spend less CPU on
+the other side than the proxy spends, or it measures itself.
 
 `written[request_id]` keeps when (time.monotonic()) each streamed line was written, while
 `record_writes` is set, so a client in the same process can tell how long the proxy took to
@@ -16,30 +20,34 @@ relay each token.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
-from aiohttp import web
-
-from common.wire.messages import Cancel
 from common.wire.node_messages import (
     CancelResult,
-    DecodeRequest,
-    GenerateRequest,
     KVHandle,
-    LeaseExtend,
     LeaseExtendResult,
-    PrefillRequest,
     PrefillResult,
     TokenDelta,
-    from_json,
     to_json,
 )
 
-NDJSON = {"Content-Type": "application/x-ndjson"}
 _MARK = 987654321  # a token id that cannot occur in a line's other fields
+_RID = "standin-request-id-mark"
+MAX_HEAD = 64 * 1024
+MAX_BODY = 64 * 2**20
+
+
+def _split(template: bytes, *marks: str) -> list[bytes]:
+    parts = [template]
+    for mark in marks:
+        head, tail = parts.pop().split(mark.encode(), 1)
+        parts += [head, tail]
+    return parts
 
 
 class StandInNode:
@@ -56,7 +64,8 @@ class StandInNode:
         if not tokens:
             raise ValueError("a stand-in node needs at least one token id to stream")
         self.role = role
-        self.tokens = list(tokens)
+        self.tokens = [str(t).encode() for t in tokens]
+        self.first_token = int(tokens[0])
         self.fingerprint = fingerprint
         self.token_interval_s = token_interval_s
         self.max_num_seqs = max_num_seqs
@@ -65,123 +74,198 @@ class StandInNode:
         self.written: dict[str, list[float]] = {}
         self.active = 0
         self.streams = 0  # streams started, over the node's life
-        self._runner: web.AppRunner | None = None
         self.url = ""
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        line = to_json(TokenDelta(request_id=_RID, token_ids=[_MARK]))
+        last = to_json(TokenDelta(request_id=_RID, token_ids=[_MARK], finish_reason="length"))
+        self._line = _split(line + b"\n", _RID, str(_MARK))
+        self._last = _split(last + b"\n", _RID, str(_MARK))
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        app = web.Application()
-        app.add_routes(
-            [
-                web.get("/health", self.health),
-                web.get("/state", self.state),
-                web.post("/internal/prefill", self.prefill),
-                web.post("/internal/extend", self.extend),
-                web.post("/internal/decode", self.decode),
-                web.post("/internal/generate", self.generate),
-                web.post("/internal/cancel", self.cancel),
-            ]
-        )
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
-        self.url = f"http://{host}:{self._runner.addresses[0][1]}"
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port)
+        bound = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{bound}"
         return self.url
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
-    # -- handlers ----------------------------------------------------------------------------
+    # -- answers -----------------------------------------------------------------------------
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "role": self.role})
+    def answer(self, conn: _Connection, method: str, path: str, body: bytes) -> None:
+        if method == "GET" and path == "/health":
+            conn.send_json(200, {"status": "ok", "role": self.role})
+        elif method == "GET" and path == "/state":
+            conn.send_json(200, self._state())
+        elif method != "POST":
+            conn.send_json(405, {"error": {"message": "method not allowed"}})
+        elif path == "/internal/prefill":
+            conn.send_body(200, self._prefill(json.loads(body)))
+        elif path in ("/internal/decode", "/internal/generate"):
+            msg = json.loads(body)
+            decode = path == "/internal/decode"
+            count = int(msg["sampling"].get("max_tokens") or 16) - (1 if decode else 0)
+            self._stream(conn, msg["request_id"], count, 1 if decode else 0)
+        elif path == "/internal/extend":
+            ids = json.loads(body)["request_ids"]
+            conn.send_body(200, to_json(LeaseExtendResult(extended=ids, missing=[])))
+        elif path == "/internal/cancel":
+            rid = json.loads(body)["request_id"]
+            conn.send_body(200, to_json(CancelResult(request_id=rid, found=False)))
+        else:
+            conn.send_json(404, {"error": {"message": f"no route {path}"}})
 
-    async def state(self, request: web.Request) -> web.Response:
+    def _state(self) -> dict[str, Any]:
         free = 1_000_000
-        return web.json_response(
-            {
-                "role": self.role,
-                "engine_id": self.engine_id,
-                "model_fingerprint": self.fingerprint,
-                "blocks": {"total": free, "free": free, "used": 0, "held": 0},
-                "requests": {"waiting": 0, "running": self.active, "transferring": 0},
-                "capacity": {
-                    "max_num_seqs": self.max_num_seqs,
-                    "running": self.active,
-                    "reserved": 0,
-                    "free_blocks": free,
-                    "block_size": 16,
-                },
-                "queued_prefill_tokens": 0,
-                "prefill_tokens_per_s": 1e9,  # instant: the proxy's budgets never bind
-            }
-        )
+        return {
+            "role": self.role,
+            "engine_id": self.engine_id,
+            "model_fingerprint": self.fingerprint,
+            "blocks": {"total": free, "free": free, "used": 0, "held": 0},
+            "requests": {"waiting": 0, "running": self.active, "transferring": 0},
+            "capacity": {
+                "max_num_seqs": self.max_num_seqs,
+                "running": self.active,
+                "reserved": 0,
+                "free_blocks": free,
+                "block_size": 16,
+            },
+            "queued_prefill_tokens": 0,
+            "prefill_tokens_per_s": 1e9,  # instant: the proxy's budgets never bind
+        }
 
-    async def prefill(self, request: web.Request) -> web.Response:
-        msg = from_json(await request.read(), PrefillRequest)
+    def _prefill(self, msg: dict[str, Any]) -> bytes:
+        num_tokens = len(msg["prompt_token_ids"])
+        one = (msg["sampling"].get("max_tokens") or 16) <= 1
         kv = KVHandle(
             engine_id=self.engine_id,
             side_channel="tcp://127.0.0.1:1",  # never dialled: the decode stand-in reads no KV
-            num_blocks=1 + len(msg.prompt_token_ids) // 16,
-            num_tokens=len(msg.prompt_token_ids),
-            lease_deadline=time.time() + msg.lease_s,
+            num_blocks=1 + num_tokens // 16,
+            num_tokens=num_tokens,
+            lease_deadline=time.time() + float(msg["lease_s"]),
             transfer_key=secrets.token_hex(16),
         )
-        one = msg.sampling.max_tokens is not None and msg.sampling.max_tokens <= 1
         result = PrefillResult(
-            request_id=msg.request_id,
-            first_token_id=self.tokens[0],
+            request_id=msg["request_id"],
+            first_token_id=self.first_token,
             finish_reason="length" if one else None,
             kv=None if one else kv,
         )
-        return web.Response(body=to_json(result), content_type="application/json")
+        return to_json(result)
 
-    async def extend(self, request: web.Request) -> web.Response:
-        msg = from_json(await request.read(), LeaseExtend)
-        result = LeaseExtendResult(extended=list(msg.request_ids), missing=[])
-        return web.Response(body=to_json(result), content_type="application/json")
-
-    async def cancel(self, request: web.Request) -> web.Response:
-        msg = from_json(await request.read(), Cancel)
-        result = CancelResult(request_id=msg.request_id, found=False)
-        return web.Response(body=to_json(result), content_type="application/json")
-
-    async def decode(self, request: web.Request) -> web.StreamResponse:
-        msg = from_json(await request.read(), DecodeRequest)
-        return await self._stream(request, msg.request_id, (msg.sampling.max_tokens or 16) - 1, 1)
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        msg = from_json(await request.read(), GenerateRequest)
-        return await self._stream(request, msg.request_id, msg.sampling.max_tokens or 16, 0)
-
-    async def _stream(
-        self, request: web.Request, request_id: str, count: int, offset: int
-    ) -> web.StreamResponse:
-        """`count` token lines, the last one finishing; `offset`: tokens already sent."""
-        head, tail = to_json(TokenDelta(request_id=request_id, token_ids=[_MARK])).split(
-            str(_MARK).encode()
-        )
-        last = to_json(TokenDelta(request_id=request_id, token_ids=[_MARK], finish_reason="length"))
-        last_head, last_tail = last.split(str(_MARK).encode())
+    def _stream(self, conn: _Connection, request_id: str, count: int, offset: int) -> None:
+        rid = request_id.encode()
+        lines = []
+        n = len(self.tokens)
+        for i in range(max(count, 1)):
+            parts = self._line if i < count - 1 else self._last
+            token = self.tokens[(offset + i) % n]
+            lines.append(parts[0] + rid + parts[1] + token + parts[2])
         times = self.written.setdefault(request_id, []) if self.record_writes else None
-        resp = web.StreamResponse(headers=NDJSON)
-        self.active += 1
+        conn.start_chunked(200, "application/x-ndjson")
         self.streams += 1
-        try:
-            await resp.prepare(request)
-            n = len(self.tokens)
-            for i in range(count):
-                if self.token_interval_s > 0:
-                    await asyncio.sleep(self.token_interval_s)
-                token = str(self.tokens[(offset + i) % n]).encode()
-                if i < count - 1:
-                    await resp.write(head + token + tail + b"\n")
-                else:
-                    await resp.write(last_head + token + last_tail + b"\n")
+        if self.token_interval_s <= 0:
+            for line in lines:
+                conn.send_chunk(line)
                 if times is not None:
                     times.append(time.monotonic())
-            await resp.write_eof()
+            conn.end_chunked()
+            return
+        self.active += 1
+        task = asyncio.get_running_loop().create_task(self._paced(conn, lines, times))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _paced(
+        self, conn: _Connection, lines: list[bytes], times: list[float] | None
+    ) -> None:
+        try:
+            for line in lines:
+                await asyncio.sleep(self.token_interval_s)
+                if conn.closed:
+                    return
+                conn.send_chunk(line)
+                if times is not None:
+                    times.append(time.monotonic())
+            conn.end_chunked()
         finally:
             self.active -= 1
-        return resp
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection: requests answered in order (a streamed answer
+    holds the connection until it ends, as HTTP/1.1 without pipelining does)."""
+
+    def __init__(self, node: StandInNode) -> None:
+        self.node = node
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.closed = False
+        self.streaming = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while not self.streaming:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buf) > MAX_HEAD:
+                    self._fail()
+                return
+            head = self.buf[:end].decode("latin-1").split("\r\n")
+            length = 0
+            for header in head[1:]:
+                name, _, value = header.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if length > MAX_BODY:
+                return self._fail()
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4 : end + 4 + length]
+            self.buf = self.buf[end + 4 + length :]
+            method, path, _ = head[0].split(" ", 2)
+            self.node.answer(self, method, path, body)
+
+    def _fail(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def send_body(self, status: int, body: bytes) -> None:
+        head = f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+        self._write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    def send_json(self, status: int, obj: object) -> None:
+        self.send_body(status, json.dumps(obj).encode())
+
+    def start_chunked(self, status: int, content_type: str) -> None:
+        self.streaming = True
+        head = f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\n"
+        self._write(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+
+    def send_chunk(self, data: bytes) -> None:
+        self._write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def end_chunked(self) -> None:
+        self._write(b"0\r\n\r\n")
+        self.streaming = False
+        if self.buf:
+            self.data_received(b"")  # a request that came while this one streamed
