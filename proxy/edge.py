@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
@@ -108,6 +108,33 @@ class EdgeMetrics:
             ["what"],
             registry=registry,
         )
+        self.admitted = self.exits.labels("admitted")
+
+    def watch(self, edge: EdgeQueue) -> None:
+        """The gauges read `edge` when scraped, not on every admission (the budget's limits
+        walk the node list: per request, that was a tenth of the proxy's time)."""
+        self.depth.set_function(lambda: edge.depth)
+        self.active.set_function(lambda: edge.active)
+        self.drain_rate.set_function(lambda: edge.drain.rate(time.monotonic()) or 0.0)
+        budget = edge.budget
+        if budget is None:
+            return
+        used = {
+            "requests": lambda: budget.requests,
+            "tokens": lambda: budget.tokens,
+            "prefill_tokens": lambda: budget.prefill_tokens,
+        }
+        for what, value in used.items():
+            self.predecode.labels(what).set_function(value)
+            self.predecode_limit.labels(what).set_function(_limit(budget, what))
+
+
+def _limit(budget: PreDecodeBudget, what: str) -> Callable[[], float]:
+    def read() -> float:
+        value = getattr(budget.limits(), what)
+        return -1.0 if value is None else float(value)
+
+    return read
 
 
 class DrainRate:
@@ -185,6 +212,7 @@ class EdgeQueue:
         self._waiters: deque[_Waiter] = deque()
         if budget is not None:
             budget.add_listener(self.pump)
+        metrics.watch(self)
 
     @property
     def active(self) -> int:
@@ -305,7 +333,7 @@ class EdgeQueue:
 
     def _admitted(self, arrived: float) -> None:
         self.metrics.wait.observe(time.monotonic() - arrived)
-        self.metrics.exits.labels("admitted").inc()
+        self.metrics.admitted.inc()
         self._update()
 
     def _release(self, request_id: str) -> None:
@@ -315,20 +343,7 @@ class EdgeQueue:
         self.pump()
 
     def _update(self) -> None:
-        now = time.monotonic()
-        self.drain.waiting(now, bool(self._waiters))
-        self.metrics.depth.set(len(self._waiters))
-        self.metrics.active.set(self._active)
-        self.metrics.drain_rate.set(self.drain.rate(now) or 0.0)
-        if self.budget is not None:
-            budget, limits = self.budget, self.budget.limits()
-            for what, used, limit in (
-                ("requests", budget.requests, limits.requests),
-                ("tokens", budget.tokens, limits.tokens),
-                ("prefill_tokens", budget.prefill_tokens, limits.prefill_tokens),
-            ):
-                self.metrics.predecode.labels(what).set(used)
-                self.metrics.predecode_limit.labels(what).set(-1 if limit is None else limit)
+        self.drain.waiting(time.monotonic(), bool(self._waiters))
 
 
 class EdgeGatedBackend:

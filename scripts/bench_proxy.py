@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proxy-core", type=int, default=0, help="the first proxy's CPU core")
     p.add_argument("--proxies", type=int, default=1, help="proxies in front of the stand-ins")
     p.add_argument("--request-timeout-s", type=float, default=60.0)
+    p.add_argument(
+        "--proxy-profile", type=Path, default=None, metavar="FILE",
+        help="run the (first) proxy under cProfile, stats written to FILE (slows it down)",
+    )  # fmt: skip
     p.add_argument("--phases", default="throughput,requests,latency", help="comma-separated subset")
     return p
 
@@ -104,10 +108,18 @@ def _cores() -> list[int]:
 
 
 async def start_proxy(
-    model: str, prefill: str, decode: str, core: int | None, timeout_s: float = 120.0
+    model: str,
+    prefill: str,
+    decode: str,
+    core: int | None,
+    profile: Path | None = None,
+    timeout_s: float = 120.0,
 ) -> ProxyProcess:
+    python = [sys.executable]
+    if profile is not None:  # cProfile writes it when the proxy exits (SIGTERM: a clean exit)
+        python += ["-m", "cProfile", "-o", str(profile.resolve())]
     argv = [
-        sys.executable, "-m", "common.cli", "proxy", "--host", "127.0.0.1", "--port", "0",
+        *python, "-m", "common.cli", "proxy", "--host", "127.0.0.1", "--port", "0",
         "--model", model, "--prefill", prefill, "--decode", decode, "--log-level", "WARNING",
         "--poll-interval-s", "0.5",
     ]  # fmt: skip
@@ -403,7 +415,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await decode.start()
         for core in proxy_cores:
             pc = core if pinned else None
-            proxies.append(await start_proxy(model, prefill.url, decode.url, pc))
+            profile = args.proxy_profile if not proxies else None
+            proxies.append(await start_proxy(model, prefill.url, decode.url, pc, profile))
         timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for proxy in proxies:
