@@ -266,7 +266,7 @@ class NodeClient:
         self._session: aiohttp.ClientSession | None = None
         self._cancels: set[asyncio.Task[None]] = set()
         self._streams: set[NodeStream] = set()  # open token streams (for abort)
-        self._calls: dict[str, set[asyncio.Future[None]]] = {}  # tripwires of guarded calls
+        self._calls: dict[str, set[_Guard]] = {}  # guarded calls in flight, by node
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0)
@@ -352,9 +352,8 @@ class NodeClient:
             what = "" if stream.url == url else f" (its KV was coming from {url})"
             stream.abort(NodeLost(url, f"node {url} is down{what}: {reason}", True, "node_down"))
         calls = self._calls.pop(url, set())
-        for trip in calls:
-            if not trip.done():
-                trip.set_exception(NodeUnreachable(url, f"down: {reason}", maybe_received=True))
+        for guard in calls:
+            guard.trip(NodeUnreachable(url, f"down: {reason}", maybe_received=True))
         return len(lost) + len(calls)
 
     # -- token streams -----------------------------------------------------------------------
@@ -403,27 +402,26 @@ class NodeClient:
 
     async def _guarded(self, url: str, call: Awaitable[T]) -> T:
         """`call`, unless `abort(url)` ends it first (NodeUnreachable)."""
-        task = asyncio.ensure_future(call)
-        trip: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._calls.setdefault(url, set()).add(trip)
+        guard = _Guard(asyncio.ensure_future(call))
+        self._calls.setdefault(url, set()).add(guard)
         try:
-            waiters: set[asyncio.Future[Any]] = {task, trip}
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            if task.done() or not trip.done():
-                return task.result()
-            trip.result()  # raises the abort's NodeUnreachable
-            raise AssertionError("unreachable")
+            return await guard.task
+        except asyncio.CancelledError:
+            # The call was cancelled: by `abort` (raise its error), or because this task is
+            # being cancelled (awaiting a task passes the cancellation on): let that through.
+            current = asyncio.current_task()
+            if guard.error is not None and (current is None or not current.cancelling()):
+                raise guard.error from None
+            raise
         finally:
-            if not task.done():
-                task.cancel()
-                task.add_done_callback(_retrieve)
+            if not guard.task.done():
+                guard.task.cancel()
+                guard.task.add_done_callback(_retrieve)
             calls = self._calls.get(url)
             if calls is not None:
-                calls.discard(trip)
+                calls.discard(guard)
                 if not calls:
                     del self._calls[url]
-            if not trip.done():
-                trip.cancel()
 
     def _control(self) -> aiohttp.ClientTimeout:
         return self._total(self.timeouts.control_s)
@@ -489,6 +487,21 @@ class NodeClient:
             if self.on_cancel is not None:
                 self.on_cancel(url, result)
             return
+
+
+class _Guard:
+    """A call in flight to one node; `trip` ends it with an error for its caller."""
+
+    __slots__ = ("task", "error")
+
+    def __init__(self, task: asyncio.Future[Any]) -> None:
+        self.task = task
+        self.error: NodeUnreachable | None = None
+
+    def trip(self, error: NodeUnreachable) -> None:
+        if not self.task.done():
+            self.error = error
+            self.task.cancel()
 
 
 def _error_fields(raw: bytes, status: int) -> tuple[str, str | None, str | None]:
