@@ -2,9 +2,13 @@
 
 Percentiles interpolate linearly between samples (numpy's default, as vLLM reports them).
 TTFT, TPOT and E2EL have one sample per completed request (TPOT only where it output at
-least two tokens); ITL pools every gap of every completed request. Goodput (DistServe) is
-completed requests per second that meet every SLO given; a request with one output token
-has no TPOT and meets any TPOT SLO. With no SLO given, goodput is null.
+least two tokens); ITL pools every gap of every completed request.
+
+SLO attainment is the fraction of all sent requests that meet every SLO given: a failed
+request is a miss, and a request with one output token has no TPOT, so it meets any TPOT
+SLO (only its TTFT is judged). The per-run `goodput` is the requests per second that meet
+every SLO given (vLLM's measure); it is not DistServe's goodput, the highest rate whose
+attainment reaches 90% (`--goodput-search`, search.py). With no SLO given, both are null.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Slo:
         return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
 
     def met(self, r: RequestResult) -> bool:
+        """Whether `r` meets every SLO given: a failed request never does; one with a single
+        output token (no TPOT) meets any TPOT SLO."""
         if not r.ok or r.ttft_s is None:
             return False
         tpot_ms = (r.tpot_s or 0.0) * 1e3
@@ -66,6 +72,14 @@ def distribution(values: list[float]) -> dict[str, float | None]:
         out[f"p{p}"] = float(v)
     out["max"] = float(a.max())
     return out
+
+
+def attainment(results: list[RequestResult], slo: Slo) -> float | None:
+    """The fraction of `results` (every sent request, failed ones included) that meet every
+    SLO given; None with no SLO or no request."""
+    if not slo.given or not results:
+        return None
+    return sum(slo.met(r) for r in results) / len(results)
 
 
 def samples_ms(results: list[RequestResult]) -> dict[str, list[float]]:
@@ -110,7 +124,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo: Slo) -> dict
         "total_output_tokens": out_tokens,
         "goodput": None if good is None else _rate(good, duration_s),
         "slo": slo.as_dict(),
-        "slo_attainment": None if good is None or not results else good / len(results),
+        "slo_attainment": attainment(results, slo),
         "output_tokens_source": _token_source(ok),
         "short_outputs": sum(r.output_tokens < r.requested_output_tokens for r in ok),
         "max_concurrent": max_concurrent(results),
