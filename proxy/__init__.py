@@ -27,8 +27,10 @@ Node pools (token ids in, token ids out):
 
 Serving benchmark (a client of the OpenAI surface, for any server):
 
-- `bench_serve.py`: `pdserve bench-serve` (flags, rate sweeps, JSON and plot files).
-- `bench_workload.py` (requests asked), `bench_client.py` (one timed SSE request),
-  `bench_load.py` (arrivals, concurrency cap, bounds), `bench_stats.py` (latency
-  distributions, throughput, goodput), `bench_report.py` (table, PNG plots).
+- `bench/main.py`: `pdserve bench-serve` (rate sweeps, the goodput search, JSON and plot
+  files); `bench/config.py` (flags, the frozen config).
+- `bench/workload.py` (requests asked), `bench/client.py` (one timed SSE request),
+  `bench/load.py` (arrivals, concurrency cap, bounds), `bench/stats.py` (latency
+  distributions, throughput, SLO attainment), `bench/search.py` (the goodput (DistServe)
+  search's decisions), `bench/report.py` (tables, PNG plots).
 """

@@ -41,7 +41,8 @@ def summary_table(summary: dict[str, Any], rate: float) -> str:
         ("Request throughput (req/s)", _num(summary["request_throughput"])),
         ("Output token throughput (tok/s)", _num(summary["output_token_throughput"])),
         ("Total token throughput (tok/s)", _num(summary["total_token_throughput"])),
-        ("Goodput (req/s)", _num(summary["goodput"])),
+        ("SLO attainment (share of sent)", _num(summary["slo_attainment"])),
+        ("Goodput per run (SLO-met req/s)", _num(summary["goodput"])),
     ]
     lines = [" Serving Benchmark Result ".center(WIDTH, "=")]
     lines += [f"{k + ':':<38}{v:>12}" for k, v in rows]
@@ -62,8 +63,8 @@ def summary_table(summary: dict[str, Any], rate: float) -> str:
 def sweep_table(runs: list[dict[str, Any]]) -> str:
     """One row per rate of a sweep."""
     head = (
-        f"{'rate':>6} {'done':>5} {'fail':>5} {'rej':>5} {'req/s':>7} {'tok/s':>8} {'goodput':>8} "
-        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+        f"{'rate':>6} {'done':>5} {'fail':>5} {'rej':>5} {'req/s':>7} {'tok/s':>8} "
+        f"{'SLO-met/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
     )
     lines = [head]
     for run in runs:
@@ -71,10 +72,37 @@ def sweep_table(runs: list[dict[str, Any]]) -> str:
         lines.append(
             f"{rate_label(float(run['config']['rate'])):>6} {run['completed']:>5} "
             f"{run['failed']:>5} {run.get('rejected', 0):>5} {run['request_throughput']:>7.2f} "
-            f"{run['output_token_throughput']:>8.1f} {_num(run['goodput']):>8} "
+            f"{run['output_token_throughput']:>8.1f} {_num(run['goodput']):>9} "
             f"{_num(ttft['p50'], '.1f'):>9} {_num(ttft['p99'], '.1f'):>9} "
             f"{_num(itl['p50'], '.1f'):>8} {_num(itl['p99'], '.1f'):>8}"
         )
+    return "\n".join(lines)
+
+
+def search_table(doc: dict[str, Any]) -> str:
+    """A goodput search: one row per run (by rate), then the answer and what it means."""
+    threshold = doc["attainment_threshold"]
+    lines = [" Goodput search (DistServe) ".center(WIDTH + 20, "=")]
+    lines.append(
+        f"{'rate':>8} {'attain':>7} {'pass':>5} {'done':>5} {'sent':>5} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+    )
+    for row in doc["curve"]:
+        lines.append(
+            f"{rate_label(row['rate']):>8} {row['attainment']:>7.0%} "
+            f"{'yes' if row['passed'] else 'no':>5} {row['completed']:>5} {row['sent']:>5} "
+            f"{_num(row['ttft_p50_ms'], '.1f'):>9} {_num(row['ttft_p99_ms'], '.1f'):>9} "
+            f"{_num(row['tpot_p50_ms'], '.1f'):>9} {_num(row['tpot_p99_ms'], '.1f'):>9}"
+        )
+    slo = doc["slo"]
+    lines += [
+        "-" * (WIDTH + 20),
+        f"Goodput (DistServe): {doc['goodput_distserve_rps']:g} req/s",
+        f"  the highest rate with >= {threshold:.0%} of requests meeting TTFT <= "
+        f"{slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms",
+        f"  {doc['note']} ({doc['search']['runs_used']} runs, stopped: {doc['stop_reason']})",
+        "=" * (WIDTH + 20),
+    ]
     return "\n".join(lines)
 
 
@@ -130,7 +158,39 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # nothing completed: no lines, no legend
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_attainment(doc: dict[str, Any], path: Path) -> None:
+    """SLO attainment against the offered rate, with the threshold line and the goodput."""
+    plt = _pyplot()
+    curve = doc["curve"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [row["rate"] for row in curve]
+    ax.plot(xs, [100 * row["attainment"] for row in curve], "o-", label="attainment")
+    for row in curve:
+        ax.annotate(f"{row['rate']:g}", (row["rate"], 100 * row["attainment"]), fontsize=7,
+                    textcoords="offset points", xytext=(3, 4))  # fmt: skip
+    threshold = 100 * doc["attainment_threshold"]
+    ax.axhline(threshold, color="red", linestyle="--", label=f"threshold {threshold:.0f}%")
+    goodput = doc["goodput_distserve_rps"]
+    if goodput > 0:
+        ax.axvline(goodput, color="green", linestyle=":", label=f"goodput {goodput:g} req/s")
+    slo = doc["slo"]
+    ax.set_title(
+        f"SLO attainment (TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms)"
+    )
+    if xs and max(xs) / min(xs) > 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel("offered request rate (req/s)")
+    ax.set_ylabel("requests meeting both (%)")
+    ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

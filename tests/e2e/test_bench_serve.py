@@ -130,3 +130,48 @@ def test_bench_serve_conversations_reuse_the_cache(cluster: Service, tmp_path: P
     assert doc["config"]["conversation"]["turns"] == 3
     assert doc["cache_hit_rate"] > 0.3 and doc["total_cached_tokens"] > 0
     cluster.wait_baseline()
+
+
+def test_bench_serve_goodput_search(cluster: Service, tmp_path: Path) -> None:
+    """Issue 15: a small bounded search for DistServe's goodput on the same requests each run.
+    Objectives every run meets: it doubles up to the max rate, which is then the goodput;
+    a TTFT objective no request meets: it halves down to the min rate and reports 0."""
+    common = [
+        *("--base-url", cluster.url, "--num-requests", "4", "--arrival", "fixed"),
+        *("--input-len", "8", "--output-len", "4", "--no-progress", "--goodput-search"),
+        *("--rate", "10", "--slo-tpot-ms", "60000"),
+    ]
+    out = tmp_path / "search.json"
+    status = main(
+        [
+            *common,
+            *("--slo-ttft-ms", "60000", "--search-max-rate", "40", "--max-search-runs", "4"),
+            *("--json", str(out), "--plot-dir", str(tmp_path)),
+        ]
+    )
+    assert status == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "pdserve.bench_serve.goodput_search.v1"
+    assert doc["goodput_distserve_rps"] == 40 and doc["stop_reason"] == "max_rate"
+    assert doc["slo"] == {"ttft_ms": 60000, "tpot_ms": 60000}
+    assert doc["attainment_threshold"] == 0.9 and doc["search"]["runs_used"] == 3
+    assert doc["config"]["model"] and "rate" not in doc["config"]
+    assert [row["rate"] for row in doc["curve"]] == [10, 20, 40]
+    for row in doc["curve"]:
+        assert row["attainment"] == 1.0 and row["passed"] and row["sent"] == 4
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
+    assert [run["config"]["rate"] for run in doc["runs"]] == [10, 20, 40]
+    for run in doc["runs"]:
+        _check_plausible(run, requests=4, output_len=4)
+        assert run["config"]["seed"] == 0 and run["slo_attainment"] == 1.0
+    assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 0
+
+    low = tmp_path / "zero.json"
+    status = main([*common, "--slo-ttft-ms", "0.001", "--search-min-rate", "5", "--json", str(low)])
+    assert status == 0  # requests completed; none met the objective
+    zero = json.loads(low.read_text())
+    assert zero["goodput_distserve_rps"] == 0.0 and zero["stop_reason"] == "min_rate"
+    assert [(row["rate"], row["attainment"]) for row in zero["curve"]] == [(5, 0.0), (10, 0.0)]
+    assert "no rate passed" in zero["note"]
+    cluster.wait_baseline()

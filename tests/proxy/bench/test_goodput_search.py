@@ -1,21 +1,30 @@
 """The goodput search (DistServe's goodput: the highest rate at which >= 90% of requests meet
 both the TTFT and the TPOT SLO) without a server: the search's decisions against fake
-"rate -> attainment" functions, and the attainment of a run's requests."""
+"rate -> attainment" functions, the attainment of a run's requests, the flags, and the whole
+CLI path against a port where nothing listens (every run fails: goodput 0)."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from proxy.bench.client import RequestResult
+from proxy.bench.config import config_from_args
+from proxy.bench.main import build_parser, main
+from proxy.bench.report import plot_attainment, search_table
 from proxy.bench.search import (
     RateSearch,
     SearchConfig,
     SearchResult,
     StopReason,
+    curve,
+    document,
 )
 from proxy.bench.stats import Slo, attainment, summarize
 
@@ -200,3 +209,91 @@ def test_attainment_is_over_every_sent_request_and_needs_both_slos() -> None:
     assert summarize(results, 1.0, slo)["slo_attainment"] == pytest.approx(2 / 6)
     assert attainment(results, Slo()) is None
     assert attainment([], slo) is None
+
+
+# -- flags ---------------------------------------------------------------------------------------
+
+
+def _config(*argv: str) -> object:
+    return config_from_args(build_parser().parse_args(["--model", "m", *argv]))
+
+
+def test_search_flags_need_both_slos_and_one_finite_start_rate() -> None:
+    slos = ("--slo-ttft-ms", "100", "--slo-tpot-ms", "50")
+    cfg = config_from_args(build_parser().parse_args(["--goodput-search", *slos]))
+    assert cfg.search is not None and cfg.rates == (1.0,)
+    assert (cfg.search.min_rate, cfg.search.max_rate) == (1 / 64, 64.0)
+    assert (cfg.search.threshold, cfg.search.max_runs, cfg.search.tolerance) == (0.9, 8, 0.1)
+    started = config_from_args(
+        build_parser().parse_args(["--goodput-search", *slos, "--rate", "3"])
+    )
+    assert started.rates == (3.0,) and started.search is not None
+    assert started.search.start_rate == 3.0
+    assert config_from_args(build_parser().parse_args([])).rates == (math.inf,)
+    for bad, match in (
+        (["--slo-ttft-ms", "100"], "--slo-tpot-ms"),
+        ([*slos, "--slo-e2el-ms", "9"], "drop --slo-e2el-ms"),
+        ([*slos, "--rate", "1", "2"], "one finite --rate"),
+        ([*slos, "--rate", "inf"], "one finite --rate"),
+        ([*slos, "--goodput-attainment", "0"], "--goodput-attainment"),
+        ([*slos, "--rate", "2", "--search-max-rate", "1"], "--search-max-rate"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _config("--goodput-search", *bad)
+
+
+# -- the answer's shape ------------------------------------------------------------------------
+
+
+def _run_doc(rate: float, att: float) -> dict[str, object]:
+    dist = {"p50": 10.0 * rate, "p99": 20.0 * rate}
+    return {
+        "config": {"rate": rate}, "sent": 10, "completed": 10, "slo_attainment": att,
+        "ttft_ms": dist, "tpot_ms": dist, "request_throughput": rate, "goodput": att * rate,
+    }  # fmt: skip
+
+
+def test_document_table_and_plot_carry_the_curve(tmp_path: Path) -> None:
+    cfg, slo = _cfg(max_rate=4.0), Slo(ttft_ms=100, tpot_ms=50)
+    search = RateSearch(cfg)
+    runs = []
+    while (rate := search.next_rate()) is not None:
+        att = 1.0 if rate < 3 else 0.5
+        runs.append(_run_doc(rate, att))
+        search.record(rate, att)
+    result = search.result()
+    doc = document(result, cfg, slo, {"model": "m"}, runs)
+    assert doc["goodput_distserve_rps"] == result.goodput_rps == 2.75  # 1 2 4 3 2.5 2.75
+    assert doc["runs"] == runs  # in the order run
+    assert [row["rate"] for row in doc["curve"]] == sorted(p.rate for p in result.probes)
+    assert [row["rate"] for row in curve(result, runs)] == [1, 2, 2.5, 2.75, 3, 4]
+    assert doc["slo"] == {"ttft_ms": 100, "tpot_ms": 50} and doc["attainment_threshold"] == 0.9
+    assert "TTFT <= 100 ms and TPOT <= 50 ms" in doc["definition"]
+    assert doc["search"]["runs_used"] == 6 and doc["stop_reason"] == "converged"
+    json.dumps(doc)  # JSON as it stands
+    table = search_table(doc)
+    assert "Goodput (DistServe): 2.75 req/s" in table and ">= 90% of requests" in table
+    plot_attainment(doc, tmp_path / "a.png")
+    assert (tmp_path / "a.png").stat().st_size > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_search_where_nothing_listens_halves_to_the_min_rate(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    out = tmp_path / "search.json"
+    argv = ["--base-url", url, "--model", "m", "--num-requests", "2", "--no-progress"]
+    argv += ["--goodput-search", "--slo-ttft-ms", "100", "--slo-tpot-ms", "50"]
+    argv += ["--rate", "40", "--search-min-rate", "10", "--request-timeout-s", "5"]
+    argv += ["--json", str(out), "--plot-dir", str(tmp_path)]
+    assert main(argv) == 1  # ran, but no run completed a request
+    doc = json.loads(out.read_text())
+    assert doc["goodput_distserve_rps"] == 0.0 and doc["stop_reason"] == "min_rate"
+    assert [row["rate"] for row in doc["curve"]] == [10, 20, 40]
+    assert [run["config"]["rate"] for run in doc["runs"]] == [40, 20, 10]
+    assert all(row["attainment"] == 0.0 and not row["passed"] for row in doc["curve"])
+    assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 0
