@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Colocated vs disaggregated on the same two cores, under a prefill-heavy mixed workload.
 #
-#   scripts/compare_disagg.sh [--quick] [--out DIR]
+#   scripts/compare_disagg.sh [--quick] [--goodput] [--out DIR]
 #
 # Runs the same seeded bench-serve workload (many short-prompt/long-output requests, the
 # ongoing decodes, with long-prompt/short-output requests arriving among them; see
@@ -16,9 +16,18 @@
 # Each deployment gets a free port, is ready when its /health answers 200, is warmed up with a
 # few requests, benchmarked, then stopped by pid (SIGTERM, SIGKILL after a grace period); an
 # EXIT trap stops whatever is still running. Then scripts/compare_report.py writes
-# DIR/report.md: both rows side by side (TTFT, TPOT, ITL p50/p99, goodput at one SLO), who wins,
-# and the bench-serve plots. Per deployment DIR/NAME/ holds bench.json, bench.txt, up.log, node
-# logs and the PNGs.
+# DIR/report.md: the model and the objectives (SLOs), both rows side by side (TTFT, TPOT, ITL
+# p50/p99, the share of requests meeting the SLOs at the one rate), who wins, and the bench-serve
+# plots. Per deployment DIR/NAME/ holds bench.json, bench.txt, up.log, node logs and the PNGs.
+#
+# --goodput adds, per deployment after its fixed-rate run, a goodput search (`bench-serve
+# --goodput-search` on the same dataset): goodput as DistServe defines it, the highest rate at
+# which >= 90% of requests meet both the TTFT and the TPOT objective. It goes to
+# DIR/NAME/goodput/ (search.json, search.txt, attainment_vs_rate.png and each run's plots) and
+# the report gains a "Goodput (DistServe)" section: each deployment's rate, the attainment
+# curve and who wins. Each search run takes about COMPARE_SEARCH_NUM_REQUESTS / rate seconds
+# plus the last requests' latency: roughly 2-3 min a run on the default model, so up to
+# COMPARE_SEARCH_MAX_RUNS of them per deployment (estimates, not yet timed).
 #
 # It runs on the default model, SmolLM2-135M-Instruct (COMPARE_MODEL=tiny for the
 # bookkeeping-only tiny model); the defaults are sized for it. Default length ~6-8 min on a 2-core
@@ -33,8 +42,15 @@
 #   COMPARE_LONG_FRACTION     share of long-prompt requests (default 0.2)
 #   COMPARE_LONG_INPUT        long prompt tokens, +-20% (default 800: 640-960)
 #   COMPARE_SHORT_OUTPUT      output tokens of the short-prompt requests, +-20% (default 64)
-#   COMPARE_SLO_TTFT_MS       goodput SLO on TTFT (default 5000)
-#   COMPARE_SLO_TPOT_MS       goodput SLO on TPOT (default 200)
+#   COMPARE_SLO_TTFT_MS       objective on TTFT (default 5000)
+#   COMPARE_SLO_TPOT_MS       objective on TPOT (default 200)
+#   COMPARE_SEARCH_START_RATE --goodput: the search's first rate (default COMPARE_RATE)
+#   COMPARE_SEARCH_NUM_REQUESTS --goodput: requests per search run (default
+#                             COMPARE_NUM_REQUESTS; more than that reuse the dataset's lines)
+#   COMPARE_SEARCH_MAX_RUNS   --goodput: runs per search at most (default 6; --quick 3)
+#   COMPARE_SEARCH_MAX_RATE   --goodput: the search doubles no higher (default 16 x start)
+#   COMPARE_SEARCH_TOLERANCE  --goodput: bisect until failing/passing rate - 1 <= this (0.15)
+#   COMPARE_GOODPUT_ATTAINMENT --goodput: share of requests that must meet both (default 0.9)
 #   COMPARE_MAX_CONCURRENCY   cap on requests in flight (default 32)
 #   COMPARE_SEED              dataset, order and arrivals (default 0)
 #   COMPARE_UP_ARGS           more `pdserve up` flags for both, e.g. "--kv-backend zmq"
@@ -46,10 +62,12 @@ set -euo pipefail
 usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 
 quick=0
+goodput=0
 out="${COMPARE_OUT:-out/compare}"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --quick) quick=1 ;;
+        --goodput) goodput=1 ;;
         --out) out="${2:?--out needs a directory}"; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "compare_disagg: unknown argument $1 (try --help)" >&2; exit 2 ;;
@@ -79,6 +97,13 @@ short_output="${COMPARE_SHORT_OUTPUT:-64}"
 slo_ttft="${COMPARE_SLO_TTFT_MS:-5000}"
 slo_tpot="${COMPARE_SLO_TPOT_MS:-200}"
 max_conc="${COMPARE_MAX_CONCURRENCY:-32}"
+search_start="${COMPARE_SEARCH_START_RATE:-$rate}"
+search_num="${COMPARE_SEARCH_NUM_REQUESTS:-$num}"
+if (( quick )); then search_runs_default=3; else search_runs_default=6; fi
+search_runs="${COMPARE_SEARCH_MAX_RUNS:-$search_runs_default}"
+search_max_rate="${COMPARE_SEARCH_MAX_RATE:-$(awk -v r="$search_start" 'BEGIN{print r * 16}')}"
+search_tolerance="${COMPARE_SEARCH_TOLERANCE:-0.15}"
+attainment="${COMPARE_GOODPUT_ATTAINMENT:-0.9}"
 seed="${COMPARE_SEED:-0}"
 read -ra up_extra <<< "${COMPARE_UP_ARGS:-}"
 startup_timeout="${COMPARE_STARTUP_TIMEOUT_S:-240}"
@@ -134,11 +159,15 @@ start_deployment() {
     grep -E '^  (both|prefill|decode)-' "$dir/up.log" >&2 || true
 }
 
+client_args() {  # sets `common`: the bench-serve flags every run against $url shares
+    common=(--base-url "$url" --endpoint completions --dataset "$dataset" --seed "$seed"
+            --max-concurrency "$max_conc" --request-timeout-s "$request_timeout"
+            --drain-timeout-s "$request_timeout" --no-progress)
+}
+
 bench() {  # bench NAME: warm-up, then the measured run into $out/NAME/
-    local name="$1" dir="$out/$1"
-    local common=(--base-url "$url" --endpoint completions --dataset "$dataset" --seed "$seed"
-                  --max-concurrency "$max_conc" --request-timeout-s "$request_timeout"
-                  --drain-timeout-s "$request_timeout" --no-progress)
+    local name="$1" dir="$out/$1" common
+    client_args
     if (( warmup > 0 )); then
         say "$name: warm-up, $warmup requests"
         "$py" -m common.cli bench-serve "${common[@]}" --num-requests "$warmup" --rate inf \
@@ -151,6 +180,18 @@ bench() {  # bench NAME: warm-up, then the measured run into $out/NAME/
         --json "$dir/bench.json" --plot-dir "$dir" | tee "$dir/bench.txt"
 }
 
+search() {  # search NAME: the goodput search into $out/NAME/goodput/
+    local name="$1" dir="$out/$1/goodput" common
+    client_args
+    mkdir -p "$dir"
+    say "$name: goodput search from $search_start req/s, at most $search_runs runs of $search_num requests"
+    "$py" -m common.cli bench-serve "${common[@]}" --num-requests "$search_num" \
+        --goodput-search --rate "$search_start" --max-search-runs "$search_runs" \
+        --search-max-rate "$search_max_rate" --search-tolerance "$search_tolerance" \
+        --goodput-attainment "$attainment" --slo-ttft-ms "$slo_ttft" --slo-tpot-ms "$slo_tpot" \
+        --json "$dir/search.json" --plot-dir "$dir" | tee "$dir/search.txt"
+}
+
 rm -rf "$out/colocated" "$out/disagg"
 mkdir -p "$out/colocated" "$out/disagg"
 dataset="$out/mixed.jsonl"
@@ -161,18 +202,24 @@ loadavg=()
 
 start_deployment colocated --colocated --threads-per-node 2 --pin-cores
 bench colocated
+if (( goodput )); then search colocated; fi
 stop_deployment
 
 start_deployment disagg --prefill 1 --decode 1 --threads-per-node 1 --pin-cores
 bench disagg
+if (( goodput )); then search disagg; fi
 stop_deployment
 
 context=(
+    "model: \`pdserve up --model $model\` for both deployments"
     "machine: $cpus CPUs usable ($(nproc --all) online); nodes bound to the first two, the proxy and the client unbound (they float over the same cores in both deployments)"
     "workload: $num requests; $(awk -v f="$long_fraction" 'BEGIN{printf "%.0f%%", (1-f)*100}') short prompt (~48 tokens) / long output (~$short_output tokens), the rest long prompt (~$long_input tokens +-20%) / short output (~12 tokens); prompt lengths exact in the model's tokens"
     "warm-up: $warmup unmeasured requests per deployment"
     "${loadavg[@]}"
 )
+if (( goodput )); then
+    context+=("goodput search: $search_num requests a run, from $search_start req/s, at most $search_runs runs, max rate $search_max_rate req/s, tolerance $search_tolerance, after the fixed-rate run")
+fi
 if (( quick )); then context=("**quick smoke run: too few requests for stable p99s**" "${context[@]}"); fi
 ctx_args=()
 for line in "${context[@]}"; do ctx_args+=(--context "$line"); done

@@ -14,6 +14,7 @@ import torch
 
 from common.text.tokenizer import Tokenizer
 from proxy.bench.client import RequestResult
+from proxy.bench.search import RateSearch, SearchConfig, document
 from proxy.bench.stats import Slo, summarize
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -44,9 +45,8 @@ def test_mixed_workload_has_both_kinds_at_exact_lengths(
     assert all(128 <= m <= 192 for m in short)
 
 
-def _run(run_dir: Path, gap_s: float, slo: Slo) -> None:
-    """Ten requests of 20 tokens, the first at 100 ms, then one token every `gap_s`."""
-    results = [
+def _results(gap_s: float) -> list[RequestResult]:
+    return [
         RequestResult(
             ok=True,
             start_s=i,
@@ -59,10 +59,17 @@ def _run(run_dir: Path, gap_s: float, slo: Slo) -> None:
         )
         for i in range(10)
     ]
-    run_dir.mkdir()
+
+
+def _config(rate: float) -> dict[str, object]:
     config = {"endpoint": "completions", "dataset": "d.jsonl", "num_requests": 10}
-    config |= {"rate": 1.0, "arrival": "poisson", "seed": 0}
-    doc = {"config": config, **summarize(results, 10.0, slo)}
+    return config | {"rate": rate, "arrival": "poisson", "seed": 0, "model": "smollm2-135m"}
+
+
+def _run(run_dir: Path, gap_s: float, slo: Slo) -> None:
+    """Ten requests of 20 tokens, the first at 100 ms, then one token every `gap_s`."""
+    run_dir.mkdir()
+    doc = {"config": _config(1.0), **summarize(_results(gap_s), 10.0, slo)}
     (run_dir / "bench.json").write_text(json.dumps(doc))
     (run_dir / "cdf-rate1.png").write_bytes(b"")
 
@@ -79,9 +86,51 @@ def test_report_has_both_rows_a_verdict_and_the_plots(tmp_path: Path) -> None:
     rows = [line for line in text.splitlines() if line.startswith(("| colocated", "| 1P1D"))]
     assert len(rows) == 2 and "0.00 | 0%" in rows[0] and "1.00 | 100%" in rows[1]
     assert "decode ITL p99: **1P1D** (20.0 vs 80.0 ms, 4x lower)" in text
-    assert "TTFT p50: tie" in text and "goodput: **1P1D**" in text
+    assert "TTFT p50: tie" in text and "SLO-met req/s: **1P1D**" in text
+    assert "- model: `smollm2-135m`" in text and "Goodput (DistServe)" not in text
     assert "](colocated/cdf-rate1.png)" in text and "](disagg/cdf-rate1.png)" in text
     assert (tmp_path / "compare.png").stat().st_size > 0
+
+
+def _search(run_dir: Path, knee: float, slo: Slo) -> None:
+    """A goodput search whose runs slow down past `knee` req/s: TPOT 20 ms below, 80 above."""
+    cfg = SearchConfig(start_rate=1.0, min_rate=0.25, max_rate=16.0, max_runs=6)
+    search, runs = RateSearch(cfg), []
+    while (rate := search.next_rate()) is not None:
+        run = {
+            "config": _config(rate),
+            **summarize(_results(0.02 if rate <= knee else 0.08), 5, slo),
+        }
+        runs.append(run)
+        search.record(rate, run["slo_attainment"])
+    config = {k: v for k, v in _config(1.0).items() if k != "rate"}
+    doc = document(search.result(), cfg, slo, config, runs)
+    (run_dir / "goodput").mkdir()
+    (run_dir / "goodput" / "search.json").write_text(json.dumps(doc))
+
+
+def test_report_states_goodput_distserve_per_deployment(tmp_path: Path) -> None:
+    slo = Slo(ttft_ms=1000, tpot_ms=50)
+    for name, gap, knee in (("colocated", 0.08, 1.5), ("disagg", 0.02, 5.0)):
+        _run(tmp_path / name, gap, slo)
+        _search(tmp_path / name, knee, slo)
+    out = tmp_path / "report.md"
+    argv = ["--colocated", str(tmp_path / "colocated"), "--disagg", str(tmp_path / "disagg")]
+    assert _script("compare_report").main([*argv, "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## Goodput (DistServe)" in text and "Model `smollm2-135m`" in text
+    assert "TTFT <= 1000 ms and TPOT <= 50 ms, met by at least 90% of the requests" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| colocated", "| 1P1D"))]
+    assert rows[2].startswith("| colocated") and "| 1.5 | 1.5 / 1.625 | 5 |" in rows[2]
+    assert "1: 100%, 1.5: 100%, 1.625: 0%, 1.75: 0%, 2: 0%" in rows[2]
+    assert "| 5 | 5 / 6 | 6 |" in rows[3]
+    assert "goodput (DistServe): **1P1D** (5.00 vs 1.50 req/s, 3.3x higher)" in text
+    assert "![SLO attainment against the offered rate](goodput.png)" in text
+    assert (tmp_path / "goodput.png").stat().st_size > 0
+    assert "goodput/" not in text.split("## Plots")[1]  # the search's own plots stay out
+
+    (tmp_path / "disagg" / "goodput" / "search.json").unlink()  # one side only: refused
+    assert _script("compare_report").main([*argv, "--out", str(out)]) == 2
 
 
 def test_bench_engine_times_both_engines_on_every_row(tmp_path: Path, tiny_model_dir: Path) -> None:
