@@ -186,6 +186,7 @@ def plot_attainment(doc: dict[str, Any], path: Path) -> None:
     )
     if xs and max(xs) / min(xs) > 4:
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_xlabel("offered request rate (req/s)")
     ax.set_ylabel("requests meeting both (%)")
     ax.set_ylim(-2, 102)
