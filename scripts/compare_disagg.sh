@@ -211,7 +211,6 @@ if (( goodput )); then search disagg; fi
 stop_deployment
 
 context=(
-    "model: \`pdserve up --model $model\` for both deployments"
     "machine: $cpus CPUs usable ($(nproc --all) online); nodes bound to the first two, the proxy and the client unbound (they float over the same cores in both deployments)"
     "workload: $num requests; $(awk -v f="$long_fraction" 'BEGIN{printf "%.0f%%", (1-f)*100}') short prompt (~48 tokens) / long output (~$short_output tokens), the rest long prompt (~$long_input tokens +-20%) / short output (~12 tokens); prompt lengths exact in the model's tokens"
     "warm-up: $warmup unmeasured requests per deployment"

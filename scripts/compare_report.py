@@ -87,10 +87,10 @@ def verdict(
     if max(va, vb) == 0 or abs(va - vb) <= TIE * max(va, vb):
         return f"{label}: tie ({_short(va)} vs {_short(vb)} {unit})"
     win = 0 if (va > vb) == up else 1
-    ratio = f"{max(va, vb) / min(va, vb):.2g}x" if min(va, vb) > 0 else "only one is > 0"
     better = "higher" if up else "lower"
+    ratio = f"{max(va, vb) / min(va, vb):.2g}x {better}" if min(va, vb) > 0 else "the other is 0"
     pair = f"{_short(values[win])} vs {_short(values[1 - win])} {unit}"
-    return f"{label}: **{names[win]}** ({pair}, {ratio} {better})"
+    return f"{label}: **{names[win]}** ({pair}, {ratio})"
 
 
 def _load(path: Path) -> dict[str, Any]:

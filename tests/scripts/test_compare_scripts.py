@@ -129,6 +129,9 @@ def test_report_states_goodput_distserve_per_deployment(tmp_path: Path) -> None:
     assert (tmp_path / "goodput.png").stat().st_size > 0
     assert "goodput/" not in text.split("## Plots")[1]  # the search's own plots stay out
 
+    verdict = _script("compare_report").verdict("g", "req/s", ("a", "b"), (8.0, 0.0), True)
+    assert verdict == "g: **a** (8.00 vs 0.00 req/s, the other is 0)"  # goodput 0: no ratio
+
     (tmp_path / "disagg" / "goodput" / "search.json").unlink()  # one side only: refused
     assert _script("compare_report").main([*argv, "--out", str(out)]) == 2
 
