@@ -154,6 +154,26 @@ def _prompt_ids(ref_tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
     return torch.tensor([ref_tokenizer(text).input_ids])
 
 
+def _generate(model: Any, prompt_ids: list[int]) -> list[int]:
+    """32 greedy tokens after `prompt_ids` (transformers' `generate`)."""
+    x = torch.tensor([prompt_ids])
+    kw = {"max_new_tokens": 32, "do_sample": False, "attention_mask": torch.ones_like(x)}
+    return model.generate(x, **kw)[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def ref_generations(ref_tokenizer: Any, ref_model: Any) -> dict[tuple[str, bool], list[int]]:
+    """transformers' greedy tokens from the .gguf itself, per (prompt, chat): the reference
+    both generation tests compare against, computed once."""
+    out = {}
+    with torch.inference_mode():
+        for prompt, chat in [(p, True) for p in CHAT_PROMPTS] + [(p, False) for p in PLAIN_PROMPTS]:
+            out[prompt, chat] = _generate(
+                ref_model, _prompt_ids(ref_tokenizer, prompt, chat)[0].tolist()
+            )
+    return out
+
+
 def test_converted_weights_equal_transformers(smollm2_dir: Path, ref_model: Any) -> None:
     ours = load_file(str(smollm2_dir / "model.safetensors"))
     ref = ref_model.state_dict()
@@ -167,20 +187,18 @@ def test_converted_weights_equal_transformers(smollm2_dir: Path, ref_model: Any)
     ("prompt", "chat"), [(p, True) for p in CHAT_PROMPTS] + [(p, False) for p in PLAIN_PROMPTS]
 )
 def test_greedy_generation_matches_transformers_gguf(
-    prompt: str, chat: bool, ref_tokenizer: Any, ref_model: Any, our_model: Any
+    prompt: str, chat: bool, ref_tokenizer: Any, ref_generations: Any, our_model: Any
 ) -> None:
     assert type(our_model).__name__ == "LlamaForCausalLM"
     ids = _prompt_ids(ref_tokenizer, prompt, chat)
-    kw = {"max_new_tokens": 32, "do_sample": False, "attention_mask": torch.ones_like(ids)}
     with torch.inference_mode():
-        expected = ref_model.generate(ids, **kw)
-        got = our_model.generate(ids, **kw)
-    assert got.tolist() == expected.tolist()
-    assert got.shape[1] > ids.shape[1] + 4, "generated almost nothing"
+        got = _generate(our_model, ids[0].tolist())
+    assert got == ref_generations[prompt, chat]
+    assert len(got) > 4, "generated almost nothing"
 
 
 def test_pdserve_engine_matches_transformers_gguf(
-    smollm2_dir: Path, ref_tokenizer: Any, ref_model: Any
+    smollm2_dir: Path, ref_tokenizer: Any, ref_generations: Any
 ) -> None:
     """pdserve's engine on the converted directory, all prompts in one batch, greedy: token
     for token what transformers generates from the .gguf itself."""
@@ -190,12 +208,8 @@ def test_pdserve_engine_matches_transformers_gguf(
     sampling = SamplingParams(temperature=0.0, max_tokens=32)
     got = engine.generate(ids, sampling)
     engine.check_integrity()
-    for prompt_ids, completion in zip(ids, got, strict=True):
-        x = torch.tensor([prompt_ids])
-        kw = {"max_new_tokens": 32, "do_sample": False, "attention_mask": torch.ones_like(x)}
-        with torch.inference_mode():
-            expected = ref_model.generate(x, **kw)[0, len(prompt_ids) :].tolist()
-        assert completion.token_ids == expected, completion.prompt_token_ids
+    for prompt, completion in zip(prompts, got, strict=True):
+        assert completion.token_ids == ref_generations[prompt], completion.prompt_token_ids
         assert len(completion.token_ids) > 4, "generated almost nothing"
 
 
