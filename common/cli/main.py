@@ -10,15 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.cli.engine_args import add_engine_args
 from common.cli.lazy import lazy
-from common.cli.node_args import add_node_args
-from common.cli.proxy_args import add_proxy_parser
-from common.cli.up_args import add_up_parser
 from common.model.builtin import ModelFetchError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The node and engine flags name torch-backed choices (kernel and KV backends): imported
+    # here, so that `pdserve proxy`, which has its own parser, never loads them.
+    from common.cli.engine_args import add_engine_args
+    from common.cli.node_args import add_node_args
+    from common.cli.proxy_args import add_proxy_parser
+    from common.cli.up_args import add_up_parser
+
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -62,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         from proxy.bench.main import main as bench_serve_main
 
         return bench_serve_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    if argv[:1] == ["proxy"]:  # its own parser: the proxy process never loads torch
+        from common.cli.proxy_args import proxy_parser
+
+        args = proxy_parser().parse_args(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

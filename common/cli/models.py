@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from common.model.builtin import BUILTIN, ModelUnavailableError, fetch_builtin
-from common.model.gguf import convert_gguf
 from common.tiny.model import default_cache_root, default_model_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -60,4 +59,6 @@ def _converted_gguf(path: Path) -> Path:
     out = default_cache_root() / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
     if (out / "config.json").is_file():
         return out
+    from common.model.gguf import convert_gguf  # torch: only when converting
+
     return convert_gguf(path, out)

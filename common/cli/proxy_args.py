@@ -80,11 +80,23 @@ def split_urls(values: list[str]) -> tuple[str, ...]:
     return tuple(u.strip() for v in values for u in v.split(",") if u.strip())
 
 
+PROXY_HELP = "run the OpenAI-compatible proxy in front of node pools"
+
+
 def add_proxy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`pdserve proxy`."""
-    p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of node pools")
+    """`pdserve proxy` in the full command line (for `pdserve --help`)."""
+    p = sub.add_parser("proxy", help=PROXY_HELP, description=PROXY_HELP)
     add_proxy_args(p)
     p.set_defaults(func=lazy("common.cli.proxy", "cmd_proxy"))
+
+
+def proxy_parser() -> argparse.ArgumentParser:
+    """`pdserve proxy` on its own: what `pdserve proxy ...` parses with, without the other
+    subcommands' flags and what they import."""
+    p = argparse.ArgumentParser(prog="pdserve proxy", description=PROXY_HELP)
+    add_proxy_args(p)
+    p.set_defaults(func=lazy("common.cli.proxy", "cmd_proxy"))
+    return p
 
 
 def add_admission_args(g: argparse._ActionsContainer) -> None:

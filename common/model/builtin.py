@@ -36,8 +36,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from common.model.gguf import convert_gguf
-
 __all__ = [
     "BUILTIN",
     "MANIFEST_NAME",
@@ -181,6 +179,8 @@ def _build(spec: BuiltinModel, root: Path, timeout: float) -> Path:
 
 
 def _convert(gguf_file: Path, out_dir: Path) -> Path:
+    from common.model.gguf import convert_gguf  # torch: only when converting
+
     return convert_gguf(gguf_file, out_dir)
 
 
