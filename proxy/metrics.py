@@ -20,7 +20,9 @@ from proxy.http.backend import LOSS_CAUSES, BackendError
 from proxy.http.errors import ApiError
 from proxy.http.hooks import ProxyHooks
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+)  # fmt: skip
 # 100 us to 5 s in steps of 1.25x (as the nodes' step times: tails compared side by side).
 ITL_BUCKETS = tuple(round(1e-4 * 1.25**k, 7) for k in range(50))
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)

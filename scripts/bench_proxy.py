@@ -47,7 +47,9 @@ from typing import Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # pdserve's packages; up_service
+
+from up_service import get, histogram_quantile  # noqa: E402
 
 from common.cli.models import model_dir  # noqa: E402
 from common.text.tokenizer import Tokenizer  # noqa: E402
@@ -465,7 +467,15 @@ async def _phases(
         report["requests_per_s_per_proxy_core"] = r.summary()["requests_per_s_per_proxy_core"]
     if "latency" in phases:
         decode.token_interval_s = args.token_interval_ms / 1000
+        scrape = bench.proxies[0].url + "/metrics"
+        before = await asyncio.to_thread(get, scrape)
         r, relay = await bench.open_loop(args.rate, 16, args.duration_s)
+        after = await asyncio.to_thread(get, scrape)
+
+        def own_ms(name: str, q: float) -> float | None:
+            value, _ = histogram_quantile(before, after, name, q)
+            return None if value is None else round(1000 * value, 3)
+
         ttfts = [o.ttft_s for o in r.done if o.ttft_s is not None]
         report["phases"]["latency"] = {
             "rate": args.rate,
@@ -476,6 +486,13 @@ async def _phases(
             "token_relay_ms_p50": quantile_ms(relay, 0.5),
             "token_relay_ms_p99": quantile_ms(relay, 0.99),
             "tokens_timed": len(relay),
+            # The first proxy's own histograms over the phase (interpolated within buckets):
+            # received to first token from the prefill node, and a chunk's arrival from the
+            # decode node to its event written to the client.
+            "proxy_ttft_ms_p50": own_ms("pdserve_proxy_ttft_seconds", 0.5),
+            "proxy_ttft_ms_p99": own_ms("pdserve_proxy_ttft_seconds", 0.99),
+            "proxy_relay_ms_p50": own_ms("pdserve_proxy_relay_seconds", 0.5),
+            "proxy_relay_ms_p99": own_ms("pdserve_proxy_relay_seconds", 0.99),
         }
         report["added_ttft_ms_p99"] = report["phases"]["latency"]["ttft_ms_p99"]
         report["added_token_ms_p99"] = report["phases"]["latency"]["token_relay_ms_p99"]
@@ -498,6 +515,11 @@ def print_report(report: dict[str, Any]) -> None:
                 f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms; "
                 f"token relay p50 {phase['token_relay_ms_p50']} ms "
                 f"p99 {phase['token_relay_ms_p99']} ms ({phase['tokens_timed']} tokens)"
+            )
+            print(
+                f"  {'':10s} the proxy's own: TTFT p50 {phase['proxy_ttft_ms_p50']} ms "
+                f"p99 {phase['proxy_ttft_ms_p99']} ms; relay p50 {phase['proxy_relay_ms_p50']} ms "
+                f"p99 {phase['proxy_relay_ms_p99']} ms"
             )
 
 

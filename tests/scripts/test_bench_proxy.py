@@ -35,3 +35,5 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     assert latency["completed"] == 20  # the open loop's bounded count: rate x duration
     assert latency["tokens_timed"] == 20 * 15  # each decode token timed, write to read
     assert latency["token_relay_ms_p50"] >= 0
+    # the proxy's own histograms saw the phase's requests and tokens
+    assert latency["proxy_ttft_ms_p99"] is not None and latency["proxy_relay_ms_p99"] is not None
