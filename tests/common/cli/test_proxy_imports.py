@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +17,7 @@ import sys
 from common.cli.main import main
 from common.cli.proxy_args import proxy_parser
 import common.cli.proxy, proxy.main
-from common.cli.models import model_dir
-args = proxy_parser().parse_args(["--model", "tiny", "--prefill", "http://127.0.0.1:1"])
+args = proxy_parser().parse_args(["--model", sys.argv[1], "--prefill", "http://127.0.0.1:1"])
 common.cli.proxy.settings_from_args(args)
 heavy = ("torch", "common.engine.engine", "kv_transfer", "nixl")
 print(",".join(m for m in heavy if m in sys.modules) or "none")
@@ -25,10 +25,10 @@ print(",".join(m for m in heavy if m in sys.modules) or "none")
 
 
 @pytest.mark.e2e  # a fresh interpreter, to see what importing loads
-def test_the_proxy_command_line_and_its_runtime_load_no_torch() -> None:
+def test_the_proxy_command_line_and_its_runtime_load_no_torch(tiny_model_dir: Path) -> None:
+    # (a model directory that exists: making the tiny model, a node's job, needs torch)
+    argv = [sys.executable, "-c", CHECK, str(tiny_model_dir)]
     env = procs.child_env()
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120, env=env
-    )
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "none"
