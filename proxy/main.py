@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -205,6 +206,11 @@ async def serve(settings: ProxySettings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     proxy = await start_proxy(settings)
+    # What startup made stays out of later garbage collections: a full collection then
+    # scans only what requests allocate, not every module and object of the process (it
+    # stalls every stream while it runs: 90 ms when torch was loaded, 24 ms without).
+    gc.collect()
+    gc.freeze()
     try:
         print(f"pdserve proxy ready: {proxy.url}", flush=True)
         await stop.wait()
