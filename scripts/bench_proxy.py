@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -178,7 +180,10 @@ class Outcome:
     ok: bool
     tokens: int = 0
     ttft_s: float | None = None
-    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each text event
+    # Each text event's arrival (time.monotonic()) and the stream's text length so far, when
+    # recorded (the latency phase).
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    record: bool = False
     request_id: str = ""
     error: str = ""
 
@@ -233,7 +238,10 @@ class Connection:
                     out.ok = out.error == ""
                 elif b'"text":"' in event and b'"text":""' not in event:
                     out.ttft_s = now - t0 if out.ttft_s is None else out.ttft_s
-                    out.arrivals.append(now)
+                    if out.record:
+                        text = json.loads(event[6:])["choices"][0]["text"]
+                        chars = len(text) + (out.arrivals[-1][1] if out.arrivals else 0)
+                        out.arrivals.append((now, chars))
                 elif b'"usage":{' in event:
                     out.tokens = json.loads(event[6:])["usage"]["completion_tokens"]
                 elif b'"error"' in event:
@@ -255,7 +263,9 @@ class Pool:
         self.idle.clear()
 
 
-async def one_request(pool: Pool, model: str, max_tokens: int, timeout_s: float) -> Outcome:
+async def one_request(
+    pool: Pool, model: str, max_tokens: int, timeout_s: float, record: bool = False
+) -> Outcome:
     body = json.dumps(
         {
             "model": model,
@@ -265,7 +275,7 @@ async def one_request(pool: Pool, model: str, max_tokens: int, timeout_s: float)
             "stream_options": {"include_usage": True},
         }
     ).encode()
-    out = Outcome(ok=False)
+    out = Outcome(ok=False, record=record)
     t0 = time.monotonic()
     conn: Connection | None = None
     try:
@@ -318,8 +328,15 @@ class PhaseResult:
 
 class Bench:
     def __init__(
-        self, proxies: list[ProxyProcess], model: str, decode: StandInNode, timeout_s: float
+        self,
+        proxies: list[ProxyProcess],
+        model: str,
+        decode: StandInNode,
+        timeout_s: float,
+        pieces: list[str],
     ) -> None:
+        # ends[k]: the stream's text length once its k-th token (k from 0) is rendered.
+        self.ends = list(itertools.accumulate(len(pieces[k % len(pieces)]) for k in range(4096)))
         self.proxies = proxies
         self.pools = [Pool(p.url) for p in proxies]
         self.model = model
@@ -368,7 +385,7 @@ class Bench:
                 delay = t0 + i / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                coro = one_request(self._pool(), self.model, max_tokens, self.timeout_s)
+                coro = one_request(self._pool(), self.model, max_tokens, self.timeout_s, True)
                 tasks.append(asyncio.ensure_future(coro))
             outcomes = list(await asyncio.gather(*tasks))
         finally:
@@ -379,8 +396,13 @@ class Bench:
         relay: list[float] = []
         for o in result.done:
             written = self.decode.written.get(o.request_id, [])
-            # Text event k >= 1 carries decode token k - 1 (event 0: the prefill's token).
-            relay += [a - w for a, w in zip(o.arrivals[1:], written, strict=False)]
+            for arrived, chars in o.arrivals:
+                # The stream's tokens are self.pieces in order (the first from the prefill,
+                # then decode line i carries token i + 1); an event may carry several (the
+                # proxy merges lines that waited): time its newest one.
+                newest = bisect.bisect_right(self.ends, chars) - 1
+                if 1 <= newest <= len(written):
+                    relay.append(arrived - written[newest - 1])
         return result, relay
 
 
@@ -402,7 +424,8 @@ def stream_tokens(tokenizer: Tokenizer) -> list[int]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     model = model_dir(args.model)
-    tokens = stream_tokens(Tokenizer.from_dir(model))
+    tokenizer = Tokenizer.from_dir(model)
+    tokens = stream_tokens(tokenizer)
     prefill = StandInNode("prefill", tokens)
     decode = StandInNode("decode", tokens)
     cores = _cores()
@@ -425,7 +448,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await wait_healthy(session, proxy.url)
             async with session.get(proxies[0].url + "/v1/models") as resp:
                 served = (await resp.json())["data"][0]["id"]
-        bench = Bench(proxies, served, decode, args.request_timeout_s)
+        pieces = [tokenizer.decode([t]) for t in tokens]
+        bench = Bench(proxies, served, decode, args.request_timeout_s, pieces)
         try:
             await bench.closed_loop("warm-up", 8, 16, min(2.0, args.duration_s))
             return await _phases(args, bench, decode, proxy_cores if pinned else [])
@@ -485,7 +509,7 @@ async def _phases(
             "ttft_ms_p99": quantile_ms(ttfts, 0.99),
             "token_relay_ms_p50": quantile_ms(relay, 0.5),
             "token_relay_ms_p99": quantile_ms(relay, 0.99),
-            "tokens_timed": len(relay),
+            "events_timed": len(relay),
             # The first proxy's own histograms over the phase (interpolated within buckets):
             # received to first token from the prefill node, and a chunk's arrival from the
             # decode node to its event written to the client.
@@ -514,7 +538,7 @@ def print_report(report: dict[str, Any]) -> None:
             print(
                 f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms; "
                 f"token relay p50 {phase['token_relay_ms_p50']} ms "
-                f"p99 {phase['token_relay_ms_p99']} ms ({phase['tokens_timed']} tokens)"
+                f"p99 {phase['token_relay_ms_p99']} ms ({phase['events_timed']} events)"
             )
             print(
                 f"  {'':10s} the proxy's own: TTFT p50 {phase['proxy_ttft_ms_p50']} ms "

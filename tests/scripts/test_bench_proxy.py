@@ -1,5 +1,6 @@
 """scripts/bench_proxy.py end to end, briefly: the real proxy process in front of the
-stand-in nodes, every phase, the JSON the issue asks for. Counts only (no speeds)."""
+stand-in nodes (two proxies in front of the same nodes, as several proxies must work), every
+phase, the JSON the issue asks for. Counts only (no speeds)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     affinity = os.sched_getaffinity(0)
     argv = ["--model", str(tiny_model_dir), "--duration-s", "1", "--json", str(out)]
     argv += ["--streams", "4", "--output-tokens", "24", "--rate", "20"]
+    argv += ["--proxies", "2"]  # two proxies in front of the same nodes, clients spread
     assert _script("bench_proxy").main(argv) == 0
     assert os.sched_getaffinity(0) == affinity  # the test process is not left pinned
     report = json.loads(out.read_text())
+    assert report["proxies"] == 2
     for key in ("requests_per_s", "tokens_per_s", "added_ttft_ms_p99"):
         assert report[key] > 0
     phases = report["phases"]
@@ -33,7 +36,9 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     assert throughput["tokens"] == throughput["completed"] * 24
     latency = phases["latency"]
     assert latency["completed"] == 20  # the open loop's bounded count: rate x duration
-    assert latency["tokens_timed"] == 20 * 15  # each decode token timed, write to read
+    # each event with decode tokens timed, write to read (lines that waited for the proxy
+    # come merged, so there may be fewer events than tokens)
+    assert 0 < latency["events_timed"] <= 20 * 15
     assert latency["token_relay_ms_p50"] >= 0
     # the proxy's own histograms saw the phase's requests and tokens
     assert latency["proxy_ttft_ms_p99"] is not None and latency["proxy_relay_ms_p99"] is not None
