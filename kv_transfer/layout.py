@@ -56,6 +56,7 @@ class CacheLayout:
 
 
 _SMALL = 32  # below this many ids, plain Python checks beat numpy's per-call overhead
+_PLAIN_INT = {int}
 
 
 def check_block_ids(
@@ -77,7 +78,10 @@ def check_block_ids(
 
 
 def _check_small(block_ids: list[int], num_blocks: int, what: str) -> np.ndarray:
-    if not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in block_ids):
+    # Plain ints (the usual case) pass the type check with one set of their types.
+    if not set(map(type, block_ids)) <= _PLAIN_INT and not all(
+        isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in block_ids
+    ):
         raise TransferRejected(f"{what} must be integers")
     lo, hi = min(block_ids), max(block_ids)
     if lo < 0 or hi >= num_blocks:

@@ -47,13 +47,18 @@ class Wakeup:
 class EventQueue:
     """Progress thread -> owner. The fd is readable whenever events may be pending.
 
-    put() appends before it signals, and drain() clears the signal before it
-    reads, so a wakeup is never lost (at worst one is spurious).
+    The fd is signalled once per batch, not per event: put() writes it only when it is
+    not signalled already, and drain() leaves it signalled while it finds events, and
+    clears it only when it finds none. Owner code that drains after each event (a busy
+    sender) thus makes no eventfd syscall per write, and a wakeup is never lost: put()
+    appends before it looks at the flag, and _settle() clears the flag before the fd and
+    re-signals if an event (or a put) slipped in meanwhile. At worst a wakeup is spurious.
     """
 
     def __init__(self) -> None:
         self._items: deque[TransferEvent] = deque()
         self._wake = Wakeup()
+        self._signalled = False  # the fd was written since it was last cleared
         self._closed = False
 
     @property
@@ -62,20 +67,33 @@ class EventQueue:
 
     def put(self, event: TransferEvent) -> None:
         self._items.append(event)
-        self._wake.set()
+        if not self._signalled:
+            self._signalled = True
+            self._wake.set()
 
     def drain(self) -> list[TransferEvent]:
-        if not self._closed:
-            self._wake.clear()
         out = []
         while self._items:
             out.append(self._items.popleft())
+        if not out:
+            self._settle()
         return out
 
     def wait(self, timeout: float | None) -> bool:
         if self._items or self._closed:
             return bool(self._items)
+        self._settle()
         return self._wake.wait(timeout)
+
+    def _settle(self) -> None:
+        """Owner, having found nothing pending: make the fd unreadable again."""
+        if self._closed or not self._signalled:
+            return
+        self._signalled = False
+        self._wake.clear()
+        if self._items or self._signalled:  # a put() raced in and may have skipped its write
+            self._signalled = True
+            self._wake.set()
 
     def close(self) -> None:
         """After the producer stopped: events already queued stay readable."""

@@ -90,7 +90,7 @@ _IN: Transitions[InState] = Transitions(
 )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class OutgoingTransfer:
     request_id: str
     peer_id: str
@@ -110,7 +110,7 @@ class OutgoingTransfer:
         self.state = _OUT.move(self.request_id, self.state, new)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class IncomingTransfer:
     request_id: str
     peer_id: str

@@ -217,7 +217,8 @@ class NixlBackend(Backend):
         xfer.handle = None
         if state == "DONE":
             if not self._notify_inline:  # DONE follows NIXL's endpoint flush: data is in place
-                self.send(xfer.peer_id, KVDone(request_id=xfer.request_id))  # queued
+                # queued; model_construct: the id is ours, checked by write()
+                self.send(xfer.peer_id, KVDone.model_construct(request_id=xfer.request_id))
             return WriteCompleted(xfer.request_id)
         dead = self._peers.get(xfer.peer_id)
         return WriteFailed(xfer.request_id, f"nixl transfer {state}", dead is None or dead.dead)
