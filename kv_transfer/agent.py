@@ -126,7 +126,9 @@ class KVTransferAgent:
             incarnation=self.incarnation,
         )
         conns = Connections(me, side, backend, book, self._registry, self._events.put, self.config)
-        return ProgressLoop(poller, side, outbox, conns, book, self._events.put)
+        return ProgressLoop(
+            poller, side, outbox, conns, book, self._events.put, self._events.publish
+        )
 
     # -- peers -------------------------------------------------------------------------------
 

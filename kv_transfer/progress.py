@@ -96,8 +96,11 @@ class ProgressLoop:
         conns: Connections,
         book: TransferBook,
         emit: Callable[[MessageReceived], None],
+        publish: Callable[[], None],
     ) -> None:
         self.poller, self.side, self.outbox = poller, side, outbox
+        # Emitted events are published (the owner woken) only once the state lock is free.
+        self.publish = publish
         # Held by the progress thread for each step (not while it waits in poll), and by
         # an owner's thread for an inline write: all the state below is behind it.
         self.state_lock = threading.Lock()
@@ -146,6 +149,7 @@ class ProgressLoop:
             in_flight = self.backend.busy()
         finally:
             self.state_lock.release()
+            self.publish()
         if in_flight:
             self.wake.set()  # progress() must poll it to completion
         return True
@@ -154,18 +158,19 @@ class ProgressLoop:
         failed_in_a_row = 0
         while not self.stopping:
             ready = dict(self.poller.poll(self._timeout_ms()))
-            with self.state_lock:
-                try:
-                    self._step(ready)
-                    failed_in_a_row = 0
-                except Exception:
-                    self.step_errors += 1
-                    failed_in_a_row += 1
-                    if failed_in_a_row >= _MAX_FAILED_STEPS:
-                        raise
-                    log.exception(
-                        "kv progress step failed (%d in a row); going on", failed_in_a_row
-                    )
+            self.state_lock.acquire()
+            try:
+                self._step(ready)
+                failed_in_a_row = 0
+            except Exception:
+                self.step_errors += 1
+                failed_in_a_row += 1
+                if failed_in_a_row >= _MAX_FAILED_STEPS:
+                    raise
+                log.exception("kv progress step failed (%d in a row); going on", failed_in_a_row)
+            finally:
+                self.state_lock.release()
+                self.publish()
 
     def _step(self, ready: dict) -> None:
         """One pass over everything that may have happened; the state lock is held."""
@@ -338,8 +343,11 @@ class ProgressLoop:
 
     def shutdown(self) -> None:
         """Run on the progress thread after run() returns (or raised)."""
-        with self.state_lock:
-            self._shutdown()
+        try:
+            with self.state_lock:
+                self._shutdown()
+        finally:
+            self.publish()
 
     def _shutdown(self) -> None:
         try:

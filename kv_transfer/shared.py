@@ -47,12 +47,18 @@ class Wakeup:
 class EventQueue:
     """Progress thread -> owner. The fd is readable whenever events may be pending.
 
-    The fd is signalled once per batch, not per event: put() writes it only when it is
+    Producers put() events under the agent's state lock and publish() once they released
+    it: an owner woken by the fd then finds the lock free, so its next write can be posted
+    inline instead of queueing behind the rest of the progress thread's step (which made
+    every later write of a busy sender take the slow path too).
+
+    The fd is signalled once per batch, not per event: publish() writes it only when it is
     not signalled already, and drain() leaves it signalled while it finds events, and
-    clears it only when it finds none. Owner code that drains after each event (a busy
-    sender) thus makes no eventfd syscall per write, and a wakeup is never lost: put()
-    appends before it looks at the flag, and _settle() clears the flag before the fd and
-    re-signals if an event (or a put) slipped in meanwhile. At worst a wakeup is spurious.
+    clears it only when it finds none. An owner that drains after each event (a busy
+    sender) thus makes no eventfd syscall per write, and a wakeup is never lost: events are
+    appended before publish() looks at the flag, and _settle() clears the flag before the
+    fd and re-signals if an event (or a publish) slipped in meanwhile. At worst a wakeup is
+    spurious.
     """
 
     def __init__(self) -> None:
@@ -66,8 +72,12 @@ class EventQueue:
         return self._wake.fd
 
     def put(self, event: TransferEvent) -> None:
+        """Queue an event; the fd says so only after publish()."""
         self._items.append(event)
-        if not self._signalled:
+
+    def publish(self) -> None:
+        """Make the fd readable if events are pending (after the producer's lock is free)."""
+        if self._items and not self._signalled and not self._closed:
             self._signalled = True
             self._wake.set()
 
