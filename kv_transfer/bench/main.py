@@ -5,7 +5,8 @@ for each shape and transfer size the receiver asks (TransferRequest) and the
 sender writes scattered, non-adjacent blocks, timing write() -> TransferDone.
 The same run measures two ceilings: a plain torch memcpy of the same bytes in
 the sender, and bare NIXL (one contiguous region, one descriptor, no request
-bookkeeping) between the same processes, reported as backend "nixl-bare".
+bookkeeping) between the same processes, reported as backend "nixl-bare", and
+again with one small zmq message to the receiver after each write ("nixl-bare+notify").
 
     pdserve bench-transfer [--backends nixl,ucxx,zmq] [--shapes tiny,8b]
                            [--blocks 1,8,64,512] [--reps N] [--json FILE]
@@ -216,7 +217,8 @@ def bench_shape(
             f"  {backend:5} {shape:4} {n:4} blocks: p50 {p50:9.1f} us {gbps:6.2f} GB/s", flush=True
         )
         if bare is not None:
-            records.append(bare_point(sender, shape, s, n, rec["reps"], bare))
+            records.append(bare_point(sender, shape, s, n, rec["reps"], bare, with_notify=False))
+            records.append(bare_point(sender, shape, s, n, rec["reps"], bare, with_notify=True))
     for w in (sender, receiver):
         w.call("teardown")
     return records
@@ -257,11 +259,18 @@ def layer_point(
     )
 
 
-def bare_point(sender: WorkerProc, shape: str, s: Shape, n: int, reps: int, target: dict) -> dict:
+def bare_point(
+    sender: WorkerProc, shape: str, s: Shape, n: int, reps: int, target: dict, with_notify: bool
+) -> dict:
+    """Bare NIXL ("nixl-bare"), or bare NIXL plus one zmq message to the receiver per write
+    ("nixl-bare+notify": the floor for a write whose receiver is told over a socket)."""
     nbytes = n * s.block_bytes
-    times: list[float] = sender.call("bare_point", nbytes=nbytes, reps=reps + WARMUP, **target)
+    times: list[float] = sender.call(
+        "bare_point", nbytes=nbytes, reps=reps + WARMUP, with_notify=with_notify, **target
+    )
     memcpy: list[float] = sender.call("memcpy", nbytes=nbytes, reps=max(reps, MIN_REPS))
-    return record("nixl-bare", shape, s, n, times[WARMUP:], memcpy)
+    label = "nixl-bare+notify" if with_notify else "nixl-bare"
+    return record(label, shape, s, n, times[WARMUP:], memcpy)
 
 
 def main(argv: list[str] | None = None) -> int:

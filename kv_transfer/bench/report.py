@@ -18,8 +18,8 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _bare(records: list[dict]) -> dict[tuple[str, int], dict]:
-    return {(r["shape"], r["num_blocks"]): r for r in records if r["backend"] == "nixl-bare"}
+def _bare(records: list[dict], label: str = "nixl-bare") -> dict[tuple[str, int], dict]:
+    return {(r["shape"], r["num_blocks"]): r for r in records if r["backend"] == label}
 
 
 def overhead_us(record: dict, bare: dict) -> float:
@@ -50,7 +50,7 @@ def markdown_table(records: list[dict]) -> str:
 
 def goals(records: list[dict]) -> str:
     """The issues' goals, checked against this run's numbers."""
-    bare = _bare(records)
+    bare, notified = _bare(records), _bare(records, "nixl-bare+notify")
     lines = ["Goals (nixl backend vs bare single-descriptor NIXL, same run):"]
     for r in (r for r in records if r["backend"] == "nixl"):
         b = bare.get((r["shape"], r["num_blocks"]))
@@ -77,6 +77,13 @@ def goals(records: list[dict]) -> str:
                 f"{b['p50_us']:.0f} us = {over:.0f} us over bare (goal <= "
                 f"{GOAL_OVERHEAD_US:.0f} us): {verdict}"
             )
+            bn = notified.get((r["shape"], r["num_blocks"]))
+            if bn is not None:
+                lines.append(
+                    f"  (bare + one zmq notification: {bn['p50_us']:.0f} us, so telling the "
+                    f"receiver alone costs {overhead_us(bn, b):.0f} us; the layer's own "
+                    f"overhead beyond that: {overhead_us(r, bn):.0f} us)"
+                )
     if len(lines) == 1:
         lines.append("- (needs the nixl backend in the run)")
     return "\n".join(lines)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # nixl ships no type information: to mypy this name is Any
     from nixl._api import nixl_agent
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_NOTIFICATION = b"\x00" * 48  # about a sealed-less KVDone's size
 _WAIT_S = 120.0
 
 
@@ -158,26 +159,44 @@ class Worker:
 
     def bare_target(self, a: dict) -> dict:
         """Receiver side: a bare agent whose UCX worker a thread progresses every 1 ms
-        (connection wire-up needs the target's progress; the writes themselves do not)."""
+        (connection wire-up needs the target's progress; the writes themselves do not),
+        and a zmq PULL socket whose own thread takes the bare+notify point's notifications
+        as they come (as the agent's progress thread takes a KVDone)."""
         agent, addr = self._bare_agent()
         stop = threading.Event()
+        pull: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
 
         def progress() -> None:
             while not stop.wait(0.001):
                 agent.get_new_notifs()
 
+        def notifications() -> None:
+            while not stop.is_set():
+                if pull.poll(100):
+                    pull.recv()
+            pull.close()
+
         self.bare["stop"] = stop
-        self.bare["thread"] = threading.Thread(target=progress, daemon=True)
-        self.bare["thread"].start()
-        return {"metadata": agent.get_agent_metadata(), "addr": addr}
+        self.bare["threads"] = [
+            threading.Thread(target=f, daemon=True) for f in (progress, notifications)
+        ]
+        for t in self.bare["threads"]:
+            t.start()
+        notify = f"tcp://127.0.0.1:{port}"
+        return {"metadata": agent.get_agent_metadata(), "addr": addr, "notify": notify}
 
     def bare_point(self, a: dict) -> list[float]:
         """One descriptor of n contiguous blocks per transfer, no notification, no layer:
         descriptor lists prepared once (one entry per start block), then per rep
-        make_prepped_xfer + transfer + poll + release, at a different region each rep."""
+        make_prepped_xfer + transfer + poll + release, at a different region each rep.
+        With a["with_notify"], each rep then also sends a small zmq message to the target
+        (the floor of any write that tells its receiver over a socket)."""
         agent, base = self._bare_agent()
         if "peer" not in self.bare:
             self.bare["peer"] = agent.add_remote_agent(a["metadata"])
+        push = self._bare_push(a["notify"]) if a["with_notify"] else None
         cache = self._cache()
         bb = cache[0].numel() * cache.element_size()
         n, num_blocks = a["nbytes"] // bb, cache.shape[0]
@@ -194,6 +213,8 @@ class Worker:
                 while state == "PROC":
                     state = agent.check_xfer_state(handle)
                 agent.release_xfer_handle(handle)
+                if push is not None:
+                    push.send(_NOTIFICATION, zmq.NOBLOCK)
                 times.append(time.perf_counter() - t0)
                 if state != "DONE":
                     raise RuntimeError(f"bare nixl transfer: {state}")
@@ -201,6 +222,16 @@ class Worker:
             local.release()
             remote.release()
         return times
+
+    def _bare_push(self, address: str) -> zmq.Socket[bytes]:
+        """The bare sender's PUSH socket to the target's notification socket (made once)."""
+        if "push" not in self.bare:
+            push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, 100_000)
+            push.connect(address)
+            self.bare["push"] = push
+        return self.bare["push"]
 
     def _bare_agent(self) -> tuple[nixl_agent, int]:
         """The bare NIXL agent (made on first use) and the cache's base address."""
@@ -217,7 +248,10 @@ class Worker:
     def teardown(self, a: dict) -> None:
         if "stop" in self.bare:
             self.bare["stop"].set()
-            self.bare["thread"].join(5)
+            for t in self.bare["threads"]:
+                t.join(5)
+        if "push" in self.bare:
+            self.bare["push"].close(linger=0)
         if self.agent is not None:
             self.agent.close()
         self.agent, self.bare = None, {}

@@ -50,3 +50,11 @@ def test_goals_judge_the_one_block_overhead_against_the_goal() -> None:
         f"- per-write overhead, one block, tiny: 139 - 26 us = 113 us over bare "
         f"(goal <= {GOAL_OVERHEAD_US:.0f} us): NOT met"
     ]
+
+
+def test_goals_split_the_overhead_at_bare_plus_a_notification() -> None:
+    text = goals([rec("nixl", 1, 100), rec("nixl-bare", 1, 20), rec("nixl-bare+notify", 1, 60)])
+    assert (
+        "so telling the receiver alone costs 40 us; the layer's own overhead beyond that: 40 us"
+        in text
+    )
