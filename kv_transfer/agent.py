@@ -12,13 +12,14 @@ thread (an eventfd), so none of them waits on the network except connect().
 One exception, for latency: a small write (<= inline_write_max_bytes) on a
 backend that posts synchronously (nixl) is posted by write() itself when the
 progress thread is idle, under the same state lock the progress thread holds
-for each step; it waits at most 1 ms for that lock (else it queues the write)
-and never touches a socket, so the caller is held for about the copy itself
-(~0.3-0.7 ms for a 2 MiB block here).
+for each step; it only tries that lock (if the progress thread holds it, the
+write is queued), so the caller is held for about the copy itself (~0.3-0.7 ms
+for a 2 MiB block here) plus the receiver's KVDone, sent on the peer's outbox.
 
 Events flow back through a queue whose fd (fileno()) is readable while events
-may be pending: poll it with poll_events(), block with wait_events(), or await
-next_events() in asyncio.
+may be pending (signalled once the state lock is free, so that a woken owner's
+next write can be posted inline): poll it with poll_events(), block with
+wait_events(), or await next_events() in asyncio.
 
 Blocks are never freed here. Each transfer ends with exactly one terminal event
 (events.py); the owner frees through its allocator when it sees it.
