@@ -210,6 +210,9 @@ class MultiHooks(ProxyHooks):
 
     def __init__(self, *hooks: ProxyHooks) -> None:
         self.hooks = hooks
+        # The per-token hooks go only to those that do something with them (hot path).
+        self._on_tokens = [h for h in hooks if type(h).on_tokens is not ProxyHooks.on_tokens]
+        self._on_relayed = [h for h in hooks if type(h).on_relayed is not ProxyHooks.on_relayed]
 
     def on_received(self, request_id: str, endpoint: str) -> None:
         for h in self.hooks:
@@ -228,11 +231,11 @@ class MultiHooks(ProxyHooks):
             h.on_first_token(request_id)
 
     def on_tokens(self, request_id: str, num_tokens: int) -> None:
-        for h in self.hooks:
+        for h in self._on_tokens:
             h.on_tokens(request_id, num_tokens)
 
     def on_relayed(self, request_id: str, seconds: float) -> None:
-        for h in self.hooks:
+        for h in self._on_relayed:
             h.on_relayed(request_id, seconds)
 
     def on_finished(

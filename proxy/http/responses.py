@@ -8,6 +8,7 @@ that finishes carries `finish_reason`; with `stream_options.include_usage` every
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,29 +42,38 @@ _MARK = "pdserveTextMark7f3a"
 
 
 class TextEvents:
-    """The SSE event of a text-only delta, from a template made once per response.
+    """One response's stream events for text deltas, a text-only one from a template.
 
-    `sample(text)` is the endpoint's chunk carrying `text` (built and serialized by the
-    pydantic models); the template is that event split around the text, so every event
-    after the first costs one `json.dumps` of the text instead of building and serializing
-    the models again. The result is the same JSON (tests compare them)."""
+    `build(delta)` is the endpoint's event for a delta (its pydantic models, serialized);
+    the template is `build` of a marked text split around the mark, so every text-only
+    event after the first costs one `json.dumps` of the text instead of building and
+    serializing the models again. Finishing deltas take `build`. The result is the same JSON
+    (tests compare them)."""
 
-    def __init__(self, sample: bytes) -> None:
-        mark = json.dumps(_MARK).encode()
-        if sample.count(mark) != 1:  # the id or model name holds the mark: no template
-            self._parts: tuple[bytes, bytes] | None = None
-        else:
-            head, tail = sample.split(mark)
-            self._parts = (head, tail)
+    def __init__(self, build: Callable[[TextDelta], bytes]) -> None:
+        self._build = build
+        sample, mark = build(TextDelta(_MARK)), json.dumps(_MARK).encode()
+        # No template if the id or the model name holds the mark.
+        self._parts = tuple(sample.split(mark)) if sample.count(mark) == 1 else None
 
     @staticmethod
     def mark() -> str:
         return _MARK
 
     def event(self, text: str) -> bytes | None:
+        """The template's event for `text`; None without a template."""
         if self._parts is None:
             return None
         return self._parts[0] + json.dumps(text, ensure_ascii=False).encode() + self._parts[1]
+
+    def stream_delta(self, delta: TextDelta) -> bytes | None:
+        if not delta.text and delta.finish_reason is None:
+            return None
+        if delta.finish_reason is None:
+            event = self.event(delta.text)
+            if event is not None:
+                return event
+        return self._build(delta)
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
@@ -102,19 +112,13 @@ class CompletionFormat:
 
     def __init__(self, meta: ResponseMeta) -> None:
         self.meta = meta
-        self._text = TextEvents(self._delta_chunk(TextDelta(TextEvents.mark())))
+        self._text = TextEvents(self._delta_chunk)
 
     def stream_start(self) -> list[bytes]:
         return []
 
     def stream_delta(self, delta: TextDelta) -> bytes | None:
-        if not delta.text and delta.finish_reason is None:
-            return None
-        if delta.finish_reason is None:
-            event = self._text.event(delta.text)
-            if event is not None:
-                return event
-        return self._delta_chunk(delta)
+        return self._text.stream_delta(delta)
 
     def _delta_chunk(self, delta: TextDelta) -> bytes:
         choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
@@ -143,20 +147,14 @@ class ChatFormat:
 
     def __init__(self, meta: ResponseMeta) -> None:
         self.meta = meta
-        self._text = TextEvents(self._delta_chunk(TextDelta(TextEvents.mark())))
+        self._text = TextEvents(self._delta_chunk)
 
     def stream_start(self) -> list[bytes]:
         first = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
         return [self._chunk([first], None)]
 
     def stream_delta(self, delta: TextDelta) -> bytes | None:
-        if not delta.text and delta.finish_reason is None:
-            return None
-        if delta.finish_reason is None:
-            event = self._text.event(delta.text)
-            if event is not None:
-                return event
-        return self._delta_chunk(delta)
+        return self._text.stream_delta(delta)
 
     def _delta_chunk(self, delta: TextDelta) -> bytes:
         content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()

@@ -103,3 +103,22 @@ def test_multi_hooks_pass_on_every_hook() -> None:
     assert "on_relayed" in hooks
     for name in hooks:
         assert getattr(MultiHooks, name) is not getattr(ProxyHooks, name), name
+
+
+def test_multi_hooks_pass_per_token_hooks_to_the_hooks_that_take_them() -> None:
+    from proxy.http.hooks import ProxyHooks
+    from proxy.trace import MultiHooks
+
+    seen: list[tuple[str, object]] = []
+
+    class Recorder(ProxyHooks):
+        def on_tokens(self, request_id: str, num_tokens: int) -> None:
+            seen.append(("tokens", num_tokens))
+
+        def on_relayed(self, request_id: str, seconds: float) -> None:
+            seen.append(("relayed", seconds))
+
+    multi = MultiHooks(ProxyHooks(), Recorder())
+    multi.on_tokens("r", 3)
+    multi.on_relayed("r", 0.5)
+    assert seen == [("tokens", 3), ("relayed", 0.5)]
