@@ -212,6 +212,8 @@ def plot_goodput(labels: list[str], searches: list[dict[str, Any]], path: Path) 
     """Each deployment's attainment curve, the threshold and each goodput, in one plot."""
     import matplotlib
 
+    from proxy.bench.report import save_attainment_plot
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -226,14 +228,7 @@ def plot_goodput(labels: list[str], searches: list[dict[str, Any]], path: Path) 
     ax.axhline(threshold, color="red", linestyle="--", label=f"threshold {threshold:.0f}%")
     slo = searches[0]["slo"]
     ax.set_title(f"TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms")
-    ax.set_xlabel("offered request rate (req/s)")
-    ax.set_ylabel("requests meeting both (%)")
-    ax.set_ylim(-2, 102)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_attainment_plot(fig, ax, path)
 
 
 def plot_comparison(runs: list[tuple[str, Path, dict[str, Any]]], path: Path) -> None:

@@ -187,6 +187,13 @@ def plot_attainment(doc: dict[str, Any], path: Path) -> None:
     if xs and max(xs) / min(xs) > 4:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
+    save_attainment_plot(fig, ax, path)
+
+
+def save_attainment_plot(fig: Any, ax: Any, path: Path) -> None:
+    """An attainment-vs-rate plot's axes, legend and file (bench-serve's and the compare
+    report's)."""
+    plt = _pyplot()
     ax.set_xlabel("offered request rate (req/s)")
     ax.set_ylabel("requests meeting both (%)")
     ax.set_ylim(-2, 102)
