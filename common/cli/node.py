@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import signal
@@ -12,6 +11,7 @@ import sys
 
 from common.cli.engine_args import engine_config
 from common.cli.logs import setup_logging
+from common.cli.startup import freeze_startup_objects
 from common.node.server import NodeConfig, NodeRuntime, NodeServer
 from common.node.transfer import start_agent
 from common.wire.auth import CLUSTER_TOKEN_ENV, read_secret
@@ -114,12 +114,3 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> int:
     logging.getLogger(__name__).info("stopped: blocks %s", json.dumps(blocks, sort_keys=True))
     print(f"pdserve node stopped: {node.url}", file=sys.stderr, flush=True)
     return 0
-
-
-def freeze_startup_objects() -> None:
-    """Keep what startup made (torch's modules, the model, the server) out of every later
-    garbage collection: with torch loaded a full collection scans ~200k objects, about
-    90 ms during which neither the engine thread nor the event loop runs (a decode step's
-    tail). The same as the proxy does (proxy.main.serve)."""
-    gc.collect()
-    gc.freeze()

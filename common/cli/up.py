@@ -45,6 +45,7 @@ import aiohttp
 
 from common.cli.logs import setup_logging
 from common.cli.models import model_dir
+from common.cli.startup import freeze_startup_objects
 from common.cli.up_args import engine_flags
 from common.wire.auth import API_KEY_ENV, CLUSTER_TOKEN_ENV, bearer, read_secret
 from proxy.main import RunningProxy, start_proxy
@@ -364,9 +365,11 @@ async def start_service(
         api_key=cfg.api_key,
     )
     try:
-        return await start_proxy(settings)
+        proxy = await start_proxy(settings)
     except OSError as e:
         raise LaunchError(f"cannot start the proxy on {cfg.host}:{cfg.port}: {e}") from None
+    freeze_startup_objects()  # this process loaded torch (the flags): keep it out of GC
+    return proxy
 
 
 def _log_traces_to(path: Path) -> None:
