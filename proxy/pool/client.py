@@ -153,20 +153,20 @@ class NodeStream:
         garbage, a timeout, or the stream ending without a finish."""
         while not self._lines:
             await self._fill()
-        chunk = self._chunk(self._parse(self._lines.popleft()))
-        while chunk.finish_reason is None and self._lines:
+        first = self._chunk(self._parse(self._lines.popleft()))
+        later: list[int] = []  # token ids of the lines merged into it
+        finish, merged = first.finish_reason, False
+        while finish is None and self._lines:
             delta = self._parse(self._lines[0])
             if delta.error is not None:
                 break  # the next call raises it, after these tokens are relayed
             self._lines.popleft()
             more = self._chunk(delta)
-            chunk = TokenChunk(
-                chunk.token_ids + more.token_ids,
-                more.finish_reason,
-                chunk.num_cached_tokens,
-                chunk.arrived,
-            )
-        return chunk
+            later += more.token_ids
+            finish, merged = more.finish_reason, True
+        if not merged:
+            return first
+        return TokenChunk(first.token_ids + later, finish, first.num_cached_tokens, first.arrived)
 
     def close(self) -> None:
         self._resp.close()
