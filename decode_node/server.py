@@ -5,6 +5,10 @@ decode_full so the proxy keeps the request queued), asks the prefill node for
 the KV with a TransferRequest, waits (bounded) for it to land, admits the
 request into the running batch and streams its tokens as NDJSON. Destination
 blocks are freed only when no write can land in them any more.
+
+POST /internal/generate prefills a request here instead (conditional
+disaggregation: the proxy sends a short or mostly cached prompt straight to a
+decode node when that gives an earlier first token than the prefill pool).
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ class DecodeNode(TransferNode):
             self._free(entry)
 
     def routes(self) -> list[web.RouteDef]:
-        return [*super().routes(), web.post("/internal/decode", self.handle_decode)]
+        return [
+            *super().routes(),
+            web.post("/internal/decode", self.handle_decode),
+            web.post("/internal/generate", self.handle_generate),  # local prefill
+        ]
 
     def transferring(self) -> int:
         return sum(1 for e in self._pending() if e.state is IncomingState.RECEIVING)

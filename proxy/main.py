@@ -37,6 +37,7 @@ from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
 from proxy.pool.interstage import InterStageConfig, InterStageQueue
 from proxy.pool.kv_index import KVIndex
 from proxy.pool.node_state import Role
+from proxy.pool.placement import DisaggMode, PlacementConfig, PlacementMetrics
 from proxy.pool.registry import NodeRegistry, RegistryConfig
 from proxy.pool.router import Policy, Router, RoutingMetrics
 from proxy.settings import ProxySettings
@@ -130,8 +131,18 @@ def _backend(
     )
     queue = InterStageQueue(registry, client, InterStageMetrics(metrics), queue_config)
     registry.add_listener(lambda node: queue.notify_capacity())
+    mode = DisaggMode(settings.disagg_mode)
+    placement = PlacementConfig(mode, settings.local_prefill_max_tokens)
     return queue, DisaggBackend(
-        registry, client, queue, config, DisaggMetrics(metrics), traces, budget
+        registry,
+        client,
+        queue,
+        config,
+        DisaggMetrics(metrics),
+        traces,
+        budget,
+        placement,
+        PlacementMetrics(metrics, mode),
     )
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 from common.wire.auth import CLUSTER_TOKEN_ENV, is_loopback
 from proxy.pool.client import NodeTimeouts
 from proxy.pool.node_state import Role
+from proxy.pool.placement import DISAGG_MODES
 from proxy.pool.router import POLICIES
 
 Mode = Literal["disagg", "colocated"]
@@ -31,6 +32,8 @@ class ProxySettings:
     edge_deadline_s: float = 60.0  # edge: the longest wait for admission (0: no limit)
     migrate_limit: int = 1  # times a stream may move to another decode node after a failure
     routing: str = "cost"  # prefill placement policy (proxy/pool/router.py)
+    disagg_mode: str = "auto"  # always | never | auto: conditional disaggregation (placement.py)
+    local_prefill_max_tokens: int = 256  # auto: the longest uncached prompt prefilled locally
     trace_capacity: int = 2048  # recent requests whose traces GET /debug/requests/{id}/trace has
     interstage_capacity: int = 0  # pre-decode requests; 0: the decode nodes' max_num_seqs
     prefill_backlog_s: float = 2.0  # prefill work admitted ahead, in seconds (0: no limit)
@@ -63,6 +66,12 @@ class ProxySettings:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
+        if self.disagg_mode not in DISAGG_MODES:
+            raise ValueError(
+                f"disagg_mode must be one of {', '.join(DISAGG_MODES)}, got {self.disagg_mode!r}"
+            )
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0")
         if min(self.interstage_capacity, self.edge_deadline_s, self.prefill_backlog_s) < 0:
             raise ValueError(
                 "interstage_capacity, edge_deadline_s and prefill_backlog_s must be >= 0"

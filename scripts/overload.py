@@ -9,7 +9,8 @@ C (completed requests per second of an all-at-once burst of --capacity-requests)
 each multiplier m offers m*C requests per second for --window-s seconds, as a Poisson stream
 and as one all-at-once burst of the same size. Per run it reports completed/s, rejected/s
 (503 at the edge), requests failed in any other way, TTFT p50/p99 of the admitted requests
-that completed, and, from the nodes' counters, how many prompts were prefilled: with
+that completed, and how many prompts were prefilled (by the prefill nodes, or by a decode
+node itself when the proxy placed one there: conditional disaggregation): with
 admission at the edge that equals the completed count (no compute thrown away). Output:
 DIR/report.md (the table), DIR/report.json, bench-serve's JSON per run, up.log and the
 node logs. The service is stopped by pid when the script ends, on error too.
@@ -51,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prefilled(up: UpService) -> float:
-    return sum(
+    """Prompts computed: by the prefill nodes, and by decode nodes themselves (the proxy's
+    local placements, conditional disaggregation)."""
+    local = sample_sum(up.metrics(), "pdserve_proxy_placements_total", placement="local")
+    return local + sum(
         sample_sum(up.metrics(url), "pdserve_node_requests_total", outcome="prefilled")
         for url in up.node_urls("prefill")
     )

@@ -16,6 +16,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# On a fresh machine, matplotlib's first import runs `fc-list` to build its font cache: done
+# here, before the guard below, rather than inside the first fast test that plots.
+import matplotlib.font_manager  # noqa: F401
 import pytest
 import torch  # noqa: F401  (its import runs `ldconfig -p`: done here, before the guard below)
 

@@ -45,6 +45,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         edge_deadline_s=args.edge_deadline_s,
         migrate_limit=args.migrate_limit,
         routing=args.routing,
+        disagg_mode=args.disagg_mode,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
         trace_capacity=args.trace_capacity,
         interstage_capacity=args.interstage_capacity,
         prefill_backlog_s=args.prefill_backlog_s,

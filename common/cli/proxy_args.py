@@ -6,6 +6,7 @@ import argparse
 
 from common.cli.lazy import lazy
 from proxy.pool.client import NodeTimeouts
+from proxy.pool.placement import DISAGG_MODES, PlacementConfig
 from proxy.pool.router import POLICIES
 
 
@@ -168,4 +169,20 @@ def add_routing_arg(g: argparse._ActionsContainer) -> None:
         help="where to prefill: cost (the node with the lowest estimated time to first token, "
         "weighing its cached prefix against its queue), cache-affinity, least-load or "
         "round-robin: %(default)s",
+    )
+    g.add_argument(
+        "--disagg-mode",
+        choices=list(DISAGG_MODES),
+        default="auto",
+        help="where prompts are prefilled: always on the prefill pool, never (on the decode "
+        "node that decodes them), or auto: on the decode node when that is estimated to give "
+        "an earlier first token and the prompt is short (conditional disaggregation): "
+        "%(default)s",
+    )
+    g.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=PlacementConfig.local_max_tokens,
+        help="auto: the most uncached prompt tokens a decode node prefills itself (bounds the "
+        "stall a local prefill adds to its other streams): %(default)s",
     )

@@ -32,7 +32,15 @@ from common.wire.auth import CLUSTER_TOKEN_ENV, auth_middleware, is_loopback
 from common.wire.errors import SERVER_ERROR, ApiError, error_response, invalid_request
 from common.wire.fingerprint import Fingerprint
 from common.wire.messages import Cancel, Message, MessageError
-from common.wire.node_messages import CancelResult, NodeEvent, T, TokenDelta, from_json, to_json
+from common.wire.node_messages import (
+    CancelResult,
+    GenerateRequest,
+    NodeEvent,
+    T,
+    TokenDelta,
+    from_json,
+    to_json,
+)
 from common.wire.prefix import event_key
 from common.wire.stage import Stage
 from kv_transfer.config import TransferConfig
@@ -255,6 +263,24 @@ class NodeServer:
         stage = self.engine.stage_of(request_id)
         self.front.abort(request_id)
         return stage
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        """POST /internal/generate: prefill and decode the request here, no KV transfer
+        (the colocated node's whole job; a decode node's local prefill, when the proxy
+        judges it gives an earlier first token than the prefill pool)."""
+        self.check_admitting()
+        received = time.time()
+        msg = await read_message(request, GenerateRequest)
+        outputs = self.front.generate(msg.request_id, msg.prompt_token_ids, msg.sampling)
+        self.metrics.requests.labels(outcome="admitted").inc()
+
+        def first(out: StepOutput) -> list[NodeEvent]:
+            events = self.engine_events(out, "prefill", "prefill admitted", "prefill done")
+            return [("generate received", received), *events]
+
+        return await stream_outputs(
+            request, msg.request_id, outputs, None, first, self.metrics.token_gap.observe
+        )
 
     def engine_events(
         self, out: StepOutput, queue: str, admitted: str, first: str

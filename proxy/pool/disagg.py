@@ -13,6 +13,11 @@ consuming task cancelled) cancels it where it is, from tasks the `NodeClient` ow
 The first token is yielded as soon as the prefill node returns it; the request is queued for
 decode before that yield, so the client's first write does not delay the decode.
 
+Conditional disaggregation (placement.py): unless `--disagg-mode always`, each attempt first
+decides where its prompt is prefilled. A prompt placed locally goes straight to a decode node
+(POST /internal/generate, as to a colocated node): no prefill call, no inter-stage queue, no
+KV transfer; it leaves the pre-decode budget as soon as the decode node accepts it.
+
 A started request whose node is lost (`NodeLost`: its stream broke, went silent for the
 stall timeout, or the registry found the node unreachable) is continued elsewhere by
 re-prefilling the prompt plus the tokens so far (`migrate_limit` times); the client sees one
@@ -24,6 +29,7 @@ of its work at once.
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -35,7 +41,15 @@ from proxy.pool.budget import Claim, Limits, PreDecodeBudget
 from proxy.pool.client import GENERATE_PATH, NodeClient, NodeStream, NodeUnreachable
 from proxy.pool.interstage import InterStageQueue, QueueEntry
 from proxy.pool.node_state import Node, Role
+from proxy.pool.placement import (
+    DisaggMode,
+    Placement,
+    PlacementConfig,
+    PlacementMetrics,
+    place,
+)
 from proxy.pool.registry import NodeRegistry
+from proxy.pool.router import Decision, Estimate, rates
 from proxy.trace import TraceStore
 
 log = logging.getLogger(__name__)
@@ -68,6 +82,8 @@ class DisaggBackend:
         metrics: DisaggMetrics | None = None,
         traces: TraceStore | None = None,
         budget: PreDecodeBudget | None = None,
+        placement: PlacementConfig | None = None,
+        placement_metrics: PlacementMetrics | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -76,6 +92,8 @@ class DisaggBackend:
         self.metrics = metrics
         self.traces = traces or TraceStore(1)
         self.budget = budget or PreDecodeBudget(lambda: Limits(1 << 30, None))
+        self.placement = placement or PlacementConfig(DisaggMode.ALWAYS)
+        self.placement_metrics = placement_metrics
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
         """The request's stream. It is pre-decode (in `budget`, held by the edge that
@@ -134,7 +152,21 @@ class DisaggBackend:
     async def _attempt(self, req: GenerationRequest, budget_id: str) -> TokenStream:
         """Prefill `req`, yield its first token, queue it for decode and relay the stream;
         `budget_id` leaves the pre-decode budget once a decode node has taken it."""
-        prefill_url, result = await self._prefill(req)
+        placement = self._place(req)
+        remote = placement.remote if placement is not None else None
+        if placement is not None and placement.local:
+            assert placement.local_best is not None
+            stream = await self._open_local(req, placement.local_best.node)
+            if stream is not None:
+                self.budget.release(budget_id)
+                async with aclosing(
+                    relay(stream, self.client, self.queue, traces=self.traces)
+                ) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                return
+            remote = None  # the decode node was unreachable: the prefill pool after all
+        prefill_url, result = await self._prefill(req, remote)
         self.budget.prefilled(budget_id)
         first = TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens)
         if result.kv is None:
@@ -179,7 +211,46 @@ class DisaggBackend:
                 code="unavailable",
             )
 
-    async def _prefill(self, req: GenerationRequest) -> tuple[str, PrefillResult]:
+    def _place(self, req: GenerationRequest) -> Placement | None:
+        """Where this attempt's prompt is prefilled (None: the prefill pool, undecided, as
+        `always` does); traced and counted."""
+        mode = self.placement.mode
+        if mode is DisaggMode.ALWAYS:
+            return None
+        started = time.perf_counter()
+        prompt, router = req.prompt_token_ids, self.registry.router
+        remote: Decision | None = None
+        if mode is DisaggMode.AUTO and self.registry.routable(Role.PREFILL):
+            remote = router.choose(router.estimates(Role.PREFILL, prompt), started)
+        pool_rates = rates(self.registry.healthy(Role.PREFILL))
+        local = router.estimates(Role.DECODE, prompt, fallback_rates=pool_rates)
+        roomy = [e for e in local if _has_room(e)]
+        placement = place(self.placement, remote, roomy or (local if remote is None else []))
+        self.traces.record(req.request_id, "placed", detail=placement.detail())
+        if self.placement_metrics is not None:
+            self.placement_metrics.count(placement)
+        if placement.local:
+            assert placement.local_best is not None
+            router.expect(placement.local_best.node, prompt)
+        return placement
+
+    async def _open_local(self, req: GenerationRequest, node: Node) -> NodeStream | None:
+        """The request's stream from `node`, which prefills it itself; None if `node` turned
+        out unreachable before taking it (and the prefill pool can take it instead)."""
+        try:
+            with self.registry.track(node, len(req.prompt_token_ids)):
+                return await open_generate(self.client, self.registry, node, req)
+        except NodeUnreachable as e:
+            self._unreachable(node, e, req.request_id)
+            if not self.registry.routable(Role.PREFILL):
+                raise
+            return None
+
+    async def _prefill(
+        self, req: GenerationRequest, first: Decision | None = None
+    ) -> tuple[str, PrefillResult]:
+        """Prefill on the prefill pool: on `first`'s node (decided already), else the
+        router's pick; another node if one turns out unreachable."""
         msg = PrefillRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -188,9 +259,13 @@ class DisaggBackend:
         )
         tried: set[str] = set()
         while True:
-            decision = self.registry.router.pick(
-                Role.PREFILL, req.prompt_token_ids, frozenset(tried)
-            )
+            if first is not None:
+                decision, first = first, None
+                self.registry.router.commit(decision, req.prompt_token_ids)
+            else:
+                decision = self.registry.router.pick(
+                    Role.PREFILL, req.prompt_token_ids, frozenset(tried)
+                )
             node = decision.node
             self.traces.record(msg.request_id, "routed", detail=decision.detail())
             try:
@@ -274,9 +349,6 @@ class ColocatedBackend:
             raise
 
     async def _open(self, req: GenerationRequest) -> NodeStream:
-        msg = GenerateRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
-        )
         tried: set[str] = set()
         while True:
             decision = self.registry.router.pick(Role.BOTH, req.prompt_token_ids, frozenset(tried))
@@ -284,19 +356,41 @@ class ColocatedBackend:
             node.sent(decision.chosen.uncached)
             self.traces.record(req.request_id, "routed", detail=decision.detail())
             try:
-                stall_s = self.registry.stall_timeout(node.url)
-                return await self.client.open_stream(
-                    node.url, GENERATE_PATH, msg, req.request_id, stall_s
-                )
+                return await open_generate(self.client, self.registry, node, req)
             except NodeUnreachable as e:
                 _unreachable(self.registry, self.client, node, e, req.request_id)
                 tried.add(node.url)
                 if len(tried) >= self.config.node_attempts:
                     raise
-            except BaseException as e:
-                if not (isinstance(e, BackendError) and e.status < 500):
-                    self.client.cancel_soon(node.url, req.request_id)
-                raise
+
+
+async def open_generate(
+    client: NodeClient, registry: NodeRegistry, node: Node, req: GenerationRequest
+) -> NodeStream:
+    """Open the request's whole-request stream on `node` (POST /internal/generate: it
+    prefills and decodes). NodeUnreachable if it never took the request; on any other
+    failure the node is told to cancel, unless it refused the request outright."""
+    msg = GenerateRequest(
+        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
+    )
+    try:
+        stall_s = registry.stall_timeout(node.url)
+        return await client.open_stream(node.url, GENERATE_PATH, msg, req.request_id, stall_s)
+    except NodeUnreachable:
+        raise
+    except BaseException as e:
+        if not (isinstance(e, BackendError) and e.status < 500):
+            client.cancel_soon(node.url, req.request_id)
+        raise
+
+
+def _has_room(e: Estimate) -> bool:
+    """Whether decode node `e.node` has a free slot and blocks for the prompt's uncached
+    tokens (its cached ones are there already)."""
+    slot, free = e.node.decode_room()
+    cap = e.node.state.capacity if e.node.state is not None else None
+    block_size = cap.block_size if cap is not None and cap.block_size > 0 else 16
+    return slot and free >= -(-(e.uncached + 1) // block_size)
 
 
 def _stalled(

@@ -125,22 +125,48 @@ class Router:
     ) -> Decision:
         """The node to prefill on (raises BackendError if there is none)."""
         started = time.perf_counter()
+        decision = self.choose(self.estimates(role, prompt_token_ids, exclude), started)
+        self.commit(decision, prompt_token_ids)
+        return decision
+
+    def estimates(
+        self,
+        role: Role,
+        prompt_token_ids: Sequence[int],
+        exclude: frozenset[str] = frozenset(),
+        fallback_rates: Sequence[float] = (),
+    ) -> list[Estimate]:
+        """Each candidate node's estimate for the prompt (no side effect; BackendError if
+        there is no candidate). A node that has not measured its prefill rate borrows the
+        median of its role's measured rates, else of `fallback_rates` (another pool's)."""
         nodes = self._candidates(role, exclude)
-        known = rates(nodes)
-        estimates = [self._estimate(n, prompt_token_ids, known) for n in nodes]
+        known = rates(nodes) or list(fallback_rates)
+        return [self._estimate(n, prompt_token_ids, known) for n in nodes]
+
+    def choose(self, estimates: list[Estimate], started: float) -> Decision:
+        """The policy's pick among `estimates` (not empty), with the numbers behind it."""
         chosen = self._choose(estimates)
-        if self.index is not None:  # its blocks count as there while they compute
-            self.index.expect(chosen.node, prompt_token_ids)
         others = [e for e in estimates if e is not chosen]
         best_other = min(others, key=lambda e: e.ttft_s) if others else None
         most_cached = max(estimates, key=lambda e: e.matched_tokens)
         least_queued = min(estimates, key=lambda e: e.queued_tokens)
         disagree = most_cached.matched_tokens > 0 and most_cached is not least_queued
         decided_us = (time.perf_counter() - started) * 1e6
-        if self.metrics is not None:
-            label = "disagree" if disagree else "agree"
-            self.metrics.decisions.labels(policy=self.policy.value, cache_vs_queue=label).inc()
         return Decision(self.policy, chosen, best_other, decided_us, disagree)
+
+    def commit(self, decision: Decision, prompt_token_ids: Sequence[int]) -> None:
+        """The prompt goes to `decision.node`: its blocks count as there while they compute,
+        and the decision is counted."""
+        self.expect(decision.node, prompt_token_ids)
+        if self.metrics is not None:
+            label = "disagree" if decision.disagree else "agree"
+            self.metrics.decisions.labels(policy=self.policy.value, cache_vs_queue=label).inc()
+
+    def expect(self, node: Node, prompt_token_ids: Sequence[int]) -> None:
+        """`node` computes the prompt: its blocks count as cached there until its events
+        report them (kv_index.py)."""
+        if self.index is not None:
+            self.index.expect(node, prompt_token_ids)
 
     def _estimate(self, node: Node, prompt: Sequence[int], known: list[float]) -> Estimate:
         rate = node.state.prefill_tokens_per_s if node.state is not None else None

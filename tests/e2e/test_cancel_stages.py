@@ -45,6 +45,12 @@ STEP_DELAY_S = 0.25
 NOT_HELD = "not held"  # a node's answer when the request was not (or no longer) there
 
 
+# Every request through the prefill pool, the inter-stage queue and a KV transfer: these tests
+# follow a request through those stages (conditional disaggregation, `--disagg-mode auto`, may
+# prefill one on the decode node instead; tests/e2e/test_service.py covers that).
+ALWAYS = {"disagg_mode": "always"}
+
+
 @pytest.fixture(scope="module")
 def slow_cluster(tiny_model_dir: Path) -> Iterator[tuple[Cluster, Server]]:
     """The cluster, its main proxy, and (second) a proxy with one edge slot."""
@@ -63,11 +69,12 @@ def slow_cluster(tiny_model_dir: Path) -> Iterator[tuple[Cluster, Server]]:
         )
         cluster.wait_all()
         edge_proxy = cluster.start_proxy(
-            prefill=[prefill], decode=[decode], max_active_requests=1, edge_queue_capacity=4
-        )
+            prefill=[prefill], decode=[decode], max_active_requests=1, edge_queue_capacity=4,
+            **ALWAYS,
+        )  # fmt: skip
         # Room before decode for more than the decode node's one sequence, so that requests
         # queue on the prefill node (by default the edge would hold them back).
-        cluster.start_proxy(prefill=[prefill], decode=[decode], interstage_capacity=4)
+        cluster.start_proxy(prefill=[prefill], decode=[decode], interstage_capacity=4, **ALWAYS)
         yield cluster, edge_proxy
     finally:
         cluster.close()

@@ -48,9 +48,15 @@ DISAGG_ROWS = [
 ]
 
 
+# Every request through the prefill pool, the inter-stage queue and a KV transfer: these tests
+# follow a request through those stages (conditional disaggregation, `--disagg-mode auto`, may
+# prefill one on the decode node instead; tests/e2e/test_service.py covers that).
+ALWAYS = {"disagg_mode": "always"}
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
-    c = start_cluster(tiny_model_dir, (1, 1, 0))
+    c = start_cluster(tiny_model_dir, (1, 1, 0), proxy=ALWAYS)
     try:
         yield c
     finally:

@@ -49,8 +49,11 @@ def deployment(tiny_model_dir: Path) -> Iterator[Deployment]:
         b = cluster.node("prefill", "prefill-b", wait=False, **slow)
         d = cluster.node("decode", "decode", wait=False)
         cluster.wait_all()
-        cost = cluster.start_proxy([a, b], [d], routing="cost", poll_interval_s=0.1)
-        affinity = cluster.start_proxy([a, b], [d], routing="cache-affinity", poll_interval_s=0.1)
+        # Every prompt to the prefill pool (conditional disaggregation would prefill some on
+        # the decode node): these tests are about where among the prefill nodes.
+        common = {"poll_interval_s": 0.1, "disagg_mode": "always"}
+        cost = cluster.start_proxy([a, b], [d], routing="cost", **common)
+        affinity = cluster.start_proxy([a, b], [d], routing="cache-affinity", **common)
         yield Deployment(cluster, a, b, cost, affinity)
     finally:
         cluster.close()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +21,7 @@ from common.text.tokenizer import Tokenizer
 from common.tiny.corpus import CORPUS
 from common.wire.sampling_params import SamplingParams
 from tests.support import procs
-from tests.support.aclient import metric
+from tests.support.aclient import metric, sample_sum
 from tests.support.cluster import Cluster, Server, start_cluster
 from tests.support.http import http_json
 
@@ -185,10 +185,14 @@ async def _one(session: aiohttp.ClientSession, url: str) -> Answer:
 
 
 async def _counters(session: aiohttp.ClientSession, proxy: str, prefill: str) -> Counter[str]:
-    """The counters a burst moves: what the prefill node computed, what the edge did."""
+    """The counters a burst moves: what the prefill node computed, what the decode node
+    prefilled itself (conditional disaggregation), what the edge did."""
     return Counter(
         {
             "prefilled": await metric(session, prefill, "pdserve_node_requests_total"),
+            "local": await metric(
+                session, proxy, "pdserve_proxy_placements_total", placement="local"
+            ),
             "admitted": await metric(
                 session, proxy, "pdserve_edge_exits_total", outcome="admitted"
             ),
@@ -236,7 +240,9 @@ def test_a_burst_of_600_is_served_whole_from_the_edge_queue(
     as many waiting prefilled) but well inside the advertised capacity: all of it completes."""
     answers, moved = _burst(cluster, 600)
     assert Counter(status for status, _, _ in answers) == {200: 600}
-    assert moved["prefilled"] == moved["admitted"] == moved["completed"] == 600
+    # Every prompt was computed once, on the prefill node or locally on the decode node.
+    assert moved["prefilled"] + moved["local"] == moved["admitted"] == moved["completed"]
+    assert moved["completed"] == 600
     assert moved["rejected"] == moved["failed"] == 0
     cluster.wait_baseline(timeout=30)
 
@@ -264,11 +270,59 @@ def test_a_burst_beyond_capacity_is_refused_at_the_edge_only_for_the_excess(
     refused = [a for a in answers if a[0] != 200]
     assert statuses[200] >= 64 + 128, Counter(answers)
     assert {(status, code) for status, code, _ in refused} == {(503, "overloaded")}
-    assert moved["prefilled"] == moved["admitted"] == moved["completed"] == statuses[200]
+    computed = moved["prefilled"] + moved["local"]  # on the prefill node or the decode node
+    assert computed == moved["admitted"] == moved["completed"] == statuses[200]
     # the metrics add up: admitted = completed + cancelled + failed; refused = rejected
     assert moved["admitted"] == moved["completed"] + moved["cancelled"] + moved["failed"]
     assert moved["rejected"] == moved["at_edge"] == len(refused)
     cluster.wait_baseline(timeout=30)
+
+
+@pytest.mark.parametrize("cluster", ["1p1d"], indirect=True)  # that cluster only
+def test_a_decode_node_prefills_locally_when_placed_there(
+    cluster: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
+) -> None:
+    """Issue 15 (conditional disaggregation): a proxy with `--disagg-mode never` in front of
+    the same nodes sends each request straight to the decode node, which prefills it itself:
+    the output equals the offline engine's, the prefill node computes nothing, the trace says
+    where and why, a stream closed early is cancelled there, and every block comes back."""
+    main = cluster.proxy
+    prefill, decode = _node(cluster, "prefill"), _node(cluster, "decode")
+    local = cluster.start_proxy([prefill], [decode], disagg_mode="never")
+    try:
+        prefilled_before = _metric(prefill.url, "pdserve_node_requests_total", outcome="prefilled")
+        client = _client(cluster)
+        sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        prompt = "The quick brown fox jumps"
+        want = offline_token_ids(tokenizer.encode(prompt), sp)
+        common = {"model": _model(client), "prompt": prompt, "temperature": 0}
+        extra = {"extra_body": {"ignore_eos": True}}
+        raw = client.completions.with_raw_response.create(max_tokens=16, **common, **extra)
+        assert raw.parse().choices[0].text == tokenizer.decode(want)
+        trace = http_json(f"{local.url}/debug/requests/{raw.headers['X-Request-Id']}/trace")
+        (placed,) = [r for r in trace["rows"] if r["event"] == "placed"]
+        assert placed["detail"].startswith("never: local (mode)"), placed
+        assert f"decode {decode.url} est" in placed["detail"]
+        owners = {r["owner"] for r in trace["rows"]}
+        assert decode.url in owners and prefill.url not in owners
+        stream = client.completions.create(max_tokens=400, stream=True, **common, **extra)
+        for i, _ in enumerate(stream):  # leave mid-stream: cancelled on the decode node
+            if i == 3:
+                break
+        stream.close()
+        cluster.wait_baseline(timeout=30)
+        after = _metric(prefill.url, "pdserve_node_requests_total", outcome="prefilled")
+        assert after == prefilled_before
+        assert _metric(local.url, "pdserve_proxy_placements_total", placement="local") == 2
+    finally:
+        local.stop()
+        cluster.proxy = main
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples at `url`/metrics whose labels include `labels`."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return sample_sum(r.read().decode(), name, **labels)
 
 
 def _node(cluster: Cluster, role: str) -> Server:
@@ -304,7 +358,10 @@ def test_full_decode_pool_queues_then_completes(
     """On a decode node that runs 2 sequences (the shared slow nodes, one pair of them),
     8 requests queue prefilled for it and all complete exactly."""
     by_name = {n.name: n for n in slow_2p2d.nodes()}
-    proxy = slow_2p2d.start_proxy([by_name["prefill-0"]], [by_name["decode-0"]])
+    # Through the inter-stage queue (auto could prefill some on the decode node instead).
+    proxy = slow_2p2d.start_proxy(
+        [by_name["prefill-0"]], [by_name["decode-0"]], disagg_mode="always"
+    )
     try:
         _decode_pool_full(proxy, tokenizer, offline_token_ids)
     finally:
@@ -359,19 +416,6 @@ def test_node_with_other_fingerprint_is_refused(
         assert other.url not in urls
     finally:
         other.stop()
-
-
-def _metric(url: str, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
-        if m:
-            total += float(m.group(2))
-    return total
 
 
 @pytest.mark.parametrize("backend", ["zmq", "ucxx"])

@@ -13,7 +13,10 @@ from proxy.http.backend import BackendError, GenerationRequest, TokenChunk
 from proxy.pool.budget import Claim, Limits, PreDecodeBudget, pipeline_limits
 from proxy.pool.client import NodeClient
 from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from proxy.pool.node_state import Role
+from proxy.pool.placement import DisaggMode, PlacementConfig
 from proxy.pool.registry import NodeRegistry, RegistryConfig
+from proxy.trace import TraceStore
 from tests.support.node_stubs import FAST, StubNode, eventually, proxy_stack, run, stubs
 
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=4)
@@ -215,5 +218,60 @@ def test_a_request_holds_the_pre_decode_budget_until_a_decode_node_takes_it() ->
             prefill.prefill_tokens_per_s = 300.0
             await stack.registry.poll_all()
             assert budget.limits().prefill_tokens == 600  # 2 s of the measured rate
+
+    run(body())
+
+
+def _auto_backend(stack, budget: PreDecodeBudget | None = None):  # type: ignore[no-untyped-def]
+    traces = TraceStore(16)
+    backend = DisaggBackend(
+        stack.registry, stack.client, stack.queue, traces=traces, budget=budget,
+        placement=PlacementConfig(DisaggMode.AUTO, local_max_tokens=64),
+    )  # fmt: skip
+    return backend, traces
+
+
+def test_auto_prefills_a_short_prompt_on_the_decode_node_when_the_prefill_queue_is_long() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.queued_prefill_tokens, prefill.prefill_tokens_per_s = 4000, 400.0  # 10 s queued
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            budget = PreDecodeBudget(lambda: Limits(8, None))
+            backend, traces = _auto_backend(stack, budget)
+            traces.start("req-1", "chat")
+            chunks = await _collect(backend.generate(_request()))
+            # The decode node prefilled it: its stream starts with the first token; nothing
+            # went to the prefill node, and the request left the pre-decode budget.
+            assert _tokens(chunks) == [7, 8, 9, 10] and chunks[-1].finish_reason == "length"
+            assert prefill.calls == [] and decode.paths() == ["/internal/generate"]
+            assert budget.requests == 0 and stack.queue.depth == 0
+            trace = traces.get("req-1")
+            assert trace is not None
+            (placed,) = [r for r in trace.rows if r.event == "placed"]
+            # The decode node has measured nothing: it borrows the prefill pool's rate.
+            assert placed.detail.startswith("auto: local (earlier)")
+            assert f"decode {decode.url} est 8 ms" in placed.detail
+            assert f"prefill {prefill.url} est 10008 ms" in placed.detail
+
+    run(body())
+
+
+def test_auto_uses_the_prefill_pool_when_it_is_idle_and_falls_back_to_local_without_it() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.prefill_tokens_per_s = 400.0
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            backend, traces = _auto_backend(stack)
+            assert _tokens(await _collect(backend.generate(_request()))) == [7, 8, 9, 10]
+            assert prefill.paths() == ["/internal/prefill"]
+            assert decode.paths() == ["/internal/decode"]
+            prefill.health_status = 503  # the prefill pool is gone: decode nodes prefill
+            await eventually(lambda: not stack.registry.healthy(Role.PREFILL), what="down")
+            traces.start("req-2", "chat")
+            assert _tokens(await _collect(backend.generate(_request("req-2")))) == [7, 8, 9, 10]
+            assert decode.paths()[-1] == "/internal/generate"
+            trace = traces.get("req-2")
+            assert trace is not None
+            assert any(r.detail.startswith("auto: local (no_prefill_node)") for r in trace.rows)
 
     run(body())

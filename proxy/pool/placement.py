@@ -1,0 +1,124 @@
+"""Conditional disaggregation: prefill a prompt on the prefill pool, or on the decode node
+that will decode it.
+
+Disaggregation keeps long prefills out of decode steps, but it is not free for every prompt:
+a short prompt waits behind the prefill pool's queue (a 1,000-token prompt computing there
+holds it for seconds) and its KV then crosses the network, where the decode node could have
+computed it in one step. As vLLM's early conditional disaggregation and Dynamo's local-prefill
+threshold do, `auto` sends a prompt straight to a decode node when that is estimated to give
+an earlier first token and the prompt is short enough not to stall the decode node's running
+sequences for long:
+
+    local  iff  a decode node has a free slot and blocks for the prompt,
+                its uncached tokens <= local_max_tokens (the stall bound), and
+                its estimated TTFT < the prefill pool's best estimate
+
+with both estimates from the router (router.py): (queued prompt tokens + this prompt's
+uncached tokens there) / the node's measured prefill rate (a decode node that has not
+prefilled yet borrows the prefill pool's rate). A short or mostly cached prompt (the decode
+node caches every prompt it decoded, and a chat's earlier answers) and a long prefill queue
+favour local; an idle prefill pool wins ties, since a local prefill slows the decode node's
+other streams. With no healthy prefill node, `auto` prefills locally rather than fail.
+
+    always  every prompt on the prefill pool (static disaggregation)
+    never   every prompt on a decode node (the decode pool serves colocated)
+
+Each decision carries both estimates and a reason; the backend writes it to the request's
+trace and counts it (`pdserve_proxy_placements_total{mode, placement, reason}`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy.pool.router import Decision, Estimate
+
+
+class DisaggMode(str, Enum):
+    ALWAYS = "always"
+    NEVER = "never"
+    AUTO = "auto"
+
+
+DISAGG_MODES = tuple(m.value for m in DisaggMode)
+REASONS = ("mode", "earlier", "not_earlier", "too_long", "no_room", "no_prefill_node")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    mode: DisaggMode = DisaggMode.AUTO
+    # auto: the most uncached prompt tokens a decode node prefills itself. It bounds the
+    # stall a local prefill adds to the decode node's running streams (one engine step of
+    # that many more tokens: on one CPU core about a second at 256).
+    local_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.local_max_tokens < 0:
+            raise ValueError(f"local_max_tokens must be >= 0, got {self.local_max_tokens}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    local: bool
+    reason: str  # one of REASONS
+    mode: DisaggMode
+    remote: Decision | None  # the prefill pool's pick (None: no healthy prefill node)
+    local_best: Estimate | None  # the decode node with room and the lowest estimate
+
+    def __post_init__(self) -> None:
+        assert self.reason in REASONS, self.reason
+        assert not self.local or self.local_best is not None, "local needs a decode node"
+        assert self.local or self.remote is not None, "remote needs a prefill node"
+
+    def detail(self) -> str:
+        """The trace row's detail: the choice, its reason and both estimates."""
+        where = "local" if self.local else "prefill pool"
+        parts = [f"{self.mode.value}: {where} ({self.reason})"]
+        if self.local_best is not None:
+            parts.append(f"decode {self.local_best.describe()}")
+        if self.remote is not None:
+            parts.append(f"prefill {self.remote.chosen.describe()}")
+        return "; ".join(parts)
+
+
+def place(config: PlacementConfig, remote: Decision | None, local: list[Estimate]) -> Placement:
+    """Where to prefill, given the prefill pool's pick (`remote`, None if the pool has no
+    healthy node) and the estimates of the decode nodes with room for the prompt (`local`).
+    Raises ValueError when neither is possible."""
+    best = min(local, key=lambda e: e.ttft_s) if local else None
+    if remote is None and best is None:
+        raise ValueError("no prefill node and no decode node with room")
+    mode = config.mode
+
+    def decide(is_local: bool, reason: str) -> Placement:
+        return Placement(is_local, reason, mode, remote, best)
+
+    if mode is DisaggMode.ALWAYS or best is None:
+        return decide(False, "mode" if mode is DisaggMode.ALWAYS else "no_room")
+    if mode is DisaggMode.NEVER or remote is None:
+        return decide(True, "mode" if mode is DisaggMode.NEVER else "no_prefill_node")
+    if best.uncached > config.local_max_tokens:
+        return decide(False, "too_long")
+    if best.ttft_s < remote.chosen.ttft_s:
+        return decide(True, "earlier")
+    return decide(False, "not_earlier")
+
+
+class PlacementMetrics:
+    def __init__(self, registry: CollectorRegistry, mode: DisaggMode) -> None:
+        self.mode = mode
+        self.decisions = Counter(
+            "pdserve_proxy_placements",
+            "Where prompts were prefilled (conditional disaggregation): on the prefill pool "
+            "(remote) or on the decode node that decodes them (local), by the proxy's "
+            "--disagg-mode and the decision's reason",
+            ["mode", "placement", "reason"],
+            registry=registry,
+        )
+
+    def count(self, placement: Placement) -> None:
+        where = "local" if placement.local else "remote"
+        self.decisions.labels(placement.mode.value, where, placement.reason).inc()

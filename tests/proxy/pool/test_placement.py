@@ -1,0 +1,104 @@
+"""Conditional disaggregation's rule (placement.py) on made-up estimates: where a prompt is
+prefilled for each mode, and the reason and numbers each decision carries."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.pool.node_state import Node, NodeStatus, Role
+from proxy.pool.placement import (
+    DisaggMode,
+    PlacementConfig,
+    PlacementMetrics,
+    place,
+)
+from proxy.pool.router import Decision, Estimate, Policy
+
+RATE = 400.0  # prefill tokens/s: a CPU core on SmolLM2-135M
+
+
+def estimate(url: str, role: Role, queued: int, prompt: int, matched: int = 0) -> Estimate:
+    return Estimate(Node(url, role, NodeStatus.UP), queued, matched, prompt, RATE)
+
+
+def remote(queued: int, prompt: int, matched: int = 0) -> Decision:
+    chosen = estimate("http://p", Role.PREFILL, queued, prompt, matched)
+    return Decision(Policy.COST, chosen, None, 1.0, False)
+
+
+AUTO = PlacementConfig(DisaggMode.AUTO, local_max_tokens=256)
+
+
+def test_a_short_prompt_behind_a_long_prefill_queue_prefills_locally() -> None:
+    # 1,200 tokens queued on the prefill node: 3 s; the decode node computes 48 in 120 ms.
+    p = place(AUTO, remote(1200, 48), [estimate("http://d", Role.DECODE, 0, 48)])
+    assert p.local and p.reason == "earlier"
+    assert p.local_best is not None and p.local_best.ttft_s == pytest.approx(0.12)
+    detail = p.detail()
+    assert detail.startswith("auto: local (earlier)")
+    assert "decode http://d est 120 ms" in detail and "prefill http://p est 3120 ms" in detail
+
+
+def test_an_idle_prefill_pool_wins_a_tie() -> None:
+    p = place(AUTO, remote(0, 48), [estimate("http://d", Role.DECODE, 0, 48)])
+    assert not p.local and p.reason == "not_earlier"
+
+
+def test_a_long_uncached_prompt_goes_to_the_prefill_pool_however_long_its_queue() -> None:
+    p = place(AUTO, remote(5000, 800), [estimate("http://d", Role.DECODE, 0, 800)])
+    assert not p.local and p.reason == "too_long"
+
+
+def test_a_prompt_the_decode_node_has_cached_prefills_there() -> None:
+    # A chat's next turn: the decode node holds the earlier turns (it cached its own answer),
+    # the prefill node only the first prompt.
+    local = estimate("http://d", Role.DECODE, 0, 900, matched=880)
+    p = place(AUTO, remote(0, 900, matched=600), [local])
+    assert local.uncached == 20 and p.local and p.reason == "earlier"
+
+
+def test_the_decode_node_with_the_earliest_first_token_is_chosen() -> None:
+    busy = estimate("http://d1", Role.DECODE, 400, 48)
+    idle = estimate("http://d2", Role.DECODE, 0, 48)
+    p = place(AUTO, remote(1000, 48), [busy, idle])
+    assert p.local and p.local_best is idle
+
+
+def test_without_room_or_prefill_node() -> None:
+    p = place(AUTO, remote(5000, 48), [])  # no decode node with a free slot and blocks
+    assert not p.local and p.reason == "no_room"
+    p = place(AUTO, None, [estimate("http://d", Role.DECODE, 0, 800)])
+    assert p.local and p.reason == "no_prefill_node"  # rather than failing the request
+    with pytest.raises(ValueError):
+        place(AUTO, None, [])
+
+
+def test_the_static_modes() -> None:
+    local = [estimate("http://d", Role.DECODE, 0, 48)]
+    always = place(PlacementConfig(DisaggMode.ALWAYS), remote(5000, 48), local)
+    assert not always.local and always.reason == "mode"
+    never = place(
+        PlacementConfig(DisaggMode.NEVER), None, [estimate("http://d", Role.DECODE, 0, 2000)]
+    )
+    assert never.local and never.reason == "mode"
+
+
+def test_decisions_are_counted_by_mode_placement_and_reason() -> None:
+    registry = CollectorRegistry()
+    metrics = PlacementMetrics(registry, DisaggMode.AUTO)
+    local = [estimate("http://d", Role.DECODE, 0, 48)]
+    metrics.count(place(AUTO, remote(1200, 48), local))
+    metrics.count(place(AUTO, remote(0, 48), local))
+    metrics.count(place(AUTO, remote(1200, 48), local))
+
+    def value(placement: str, reason: str) -> float | None:
+        labels = {"mode": "auto", "placement": placement, "reason": reason}
+        return registry.get_sample_value("pdserve_proxy_placements_total", labels)
+
+    assert value("local", "earlier") == 2 and value("remote", "not_earlier") == 1
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError):
+        PlacementConfig(local_max_tokens=-1)
