@@ -150,7 +150,8 @@ class DisaggBackend:
                 self.budget.hold(req.request_id, Claim(n, n))
 
     async def _attempt(self, req: GenerationRequest, budget_id: str) -> TokenStream:
-        """Prefill `req`, yield its first token, queue it for decode and relay the stream;
+        """Prefill `req`, yield its first token, queue it for decode and relay the stream
+        (or, placed locally, relay the whole stream of the decode node that prefills it);
         `budget_id` leaves the pre-decode budget once a decode node has taken it."""
         placement = self._place(req)
         remote = placement.remote if placement is not None else None
