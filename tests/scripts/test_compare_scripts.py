@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -244,6 +246,39 @@ def test_report_goal_not_judged_without_both_kinds(tmp_path: Path) -> None:
     text = _report(_deployments(tmp_path / "colo", only), tmp_path / "report.md")
     assert "**Goal not judged**: it needs a colocated and a disaggregated run." in text
     assert "## Goodput (DistServe)" in text and len(_rows(text, "Goodput (DistServe)")) == 2
+
+
+def _dry_run(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    script = str(SCRIPTS / "compare_disagg.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPARE_")} | env
+    return subprocess.run(
+        ["bash", script, "--dry-run", *argv], env=env, capture_output=True, text=True, timeout=30
+    )
+
+
+@pytest.mark.e2e
+def test_compare_disagg_composes_each_deployments_flags() -> None:
+    common = "--threads-per-node 1 --pin-cores"
+    lines = _dry_run(COMPARE_UP_ARGS="--kv-backend zmq").stdout.splitlines()
+    assert lines == [
+        "colocated-1x2 (colocated): `pdserve up --colocated --threads-per-node 2 --pin-cores"
+        " --kv-backend zmq`",
+        f"colocated-2x1 (colocated): `pdserve up --colocated 2 {common} --kv-backend zmq`",
+        f"1p1d-static (disagg): `pdserve up --prefill 1 --decode 1 {common} --disagg-mode always"
+        " --kv-backend zmq`",
+        f"1p1d-auto (disagg): `pdserve up --prefill 1 --decode 1 {common} --disagg-mode auto"
+        " --kv-backend zmq`",
+    ]
+    env = {"COMPARE_DEPLOYMENTS": "colocated-1x2", "COMPARE_AUTO_ARGS": "--kv-streaming on"}
+    picked = _dry_run("--deployments", "1p1d-auto,colocated-2x1", **env).stdout.splitlines()
+    assert picked == [  # --deployments wins, in its order; the extra flags for auto only
+        f"1p1d-auto (disagg): `pdserve up --prefill 1 --decode 1 {common} --disagg-mode auto"
+        " --kv-streaming on`",
+        f"colocated-2x1 (colocated): `pdserve up --colocated 2 {common}`",
+    ]
+    for bad in ("1p1d", "1p1d-auto,1p1d-auto", ""):
+        done = _dry_run("--deployments", bad)
+        assert done.returncode == 2 and "compare_disagg:" in done.stderr and not done.stdout
 
 
 def test_bench_engine_times_both_engines_on_every_row(tmp_path: Path, tiny_model_dir: Path) -> None:
