@@ -22,8 +22,9 @@ The goal (issue 15): the best disaggregated run's goodput (DistServe) at least
 `--goal-goodput-ratio` (1.5) times the better colocated run's, and its decode ITL p99 (from
 the fixed-rate run) at most `--goal-itl-ratio` (0.5) times that colocated run's. "Best" and
 "better" are by goodput, a tie going to the lower ITL p99. The report states both ratios
-with their numbers, each met or not met, and the goal met, not met, or not judged (no
-goodput search, or no run of one kind).
+with their numbers, each met, not met or not judged, and the goal met, not met, or not
+judged (no goodput search, no run of one kind, or a goodput that is only a lower bound, its
+search never having failed a run, where that leaves the ratio undecided).
 
     python scripts/compare_report.py --run colocated:colocated-1x2=out/compare/colocated-1x2 \\
         --run disagg:1p1d-auto=out/compare/1p1d-auto --out out/compare/report.md \\
@@ -276,6 +277,26 @@ def _check(num: float | None, den: float | None, bound: float, at_least: bool) -
     return text, "met" if met else "not met"
 
 
+def _lower_bound(run: Run) -> bool:
+    """Whether the run's goodput is only a lower bound: its search never failed a run."""
+    assert run.search is not None
+    return run.search["lowest_failing_rate"] is None and _goodput(run) > 0
+
+
+def _goodput_check(d: Run, c: Run, goal: Goal) -> tuple[str, str]:
+    """(the goodput line, its verdict). A lower bound decides nothing, except a disaggregated
+    one already past the bound against a colocated goodput that is not one."""
+    text, met = _check(_goodput(d), _goodput(c), goal.goodput_ratio, at_least=True)
+    line = f"- goodput: {d.label} {_goodput(d):g} req/s / {c.label} {_goodput(c):g} req/s = {text}"
+    bounded = [r.label for r in (d, c) if _lower_bound(r)]
+    if _lower_bound(c) or (_lower_bound(d) and met == "not met"):
+        met = "not judged"
+        what = "lower bounds" if len(bounded) > 1 else "a lower bound"
+        why = f"; {' and '.join(bounded)}: {what} only (no search run failed)"
+        return f"{line} (>= {goal.goodput_ratio:g}x: {met}{why})", met
+    return f"{line} (>= {goal.goodput_ratio:g}x: {met})", met
+
+
 def render_goal(runs: list[Run], goal: Goal) -> list[str]:
     """Issue 15's goal line: the two ratios, each met or not, and the goal as a whole."""
     lines = [
@@ -295,13 +316,12 @@ def render_goal(runs: list[Run], goal: Goal) -> list[str]:
         why = "it needs each deployment's goodput search (`compare_disagg.sh --goodput`)"
         return lines + [f"**Goal not judged**: {why}.", ""]
     d, c = _best(disagg), _best(colocated)
-    g_text, g_met = _check(_goodput(d), _goodput(c), goal.goodput_ratio, at_least=True)
+    g_line, g_met = _goodput_check(d, c, goal)
     i_text, i_met = _check(d.itl_p99, c.itl_p99, goal.itl_ratio, at_least=False)
     verdicts = {g_met, i_met}
     overall = "not met" if "not met" in verdicts else "met" if verdicts == {"met"} else "not judged"
     lines += [
-        f"- goodput: {d.label} {_goodput(d):g} req/s / {c.label} {_goodput(c):g} req/s = "
-        f"{g_text} (>= {goal.goodput_ratio:g}x: {g_met})",
+        g_line,
         f"- decode ITL p99: {d.label} {_ms(d.itl_p99)} / {c.label} {_ms(c.itl_p99)} = "
         f"{i_text} (<= {goal.itl_ratio:g}x: {i_met})",
         "",

@@ -248,6 +248,28 @@ def test_report_goal_not_judged_without_both_kinds(tmp_path: Path) -> None:
     assert "## Goodput (DistServe)" in text and len(_rows(text, "Goodput (DistServe)")) == 2
 
 
+def test_report_goal_judges_a_lower_bound_goodput_only_when_it_decides(tmp_path: Path) -> None:
+    colo_bound = FOUR | {"colo-2x1": ("colocated", 0.060, 100.0)}  # passes up to max rate 16
+    text = _report(_deployments(tmp_path / "colo", colo_bound), tmp_path / "colo.md")
+    assert (
+        "- goodput: auto 5 req/s / colo-2x1 16 req/s = 0.31x (>= 1.5x: not judged; colo-2x1: "
+        "a lower bound only (no search run failed))" in text
+    )
+    assert "(<= 0.5x: met)" in text and "**Goal not judged** (auto against colo-2x1)." in text
+
+    past = FOUR | {"auto": ("disagg", 0.020, 100.0)}  # >= 16 against 2: met all the same
+    text = _report(_deployments(tmp_path / "past", past), tmp_path / "past.md")
+    assert "- goodput: auto 16 req/s / colo-2x1 2 req/s = 8.00x (>= 1.5x: met)" in text
+    assert "**Goal met** (auto against colo-2x1)." in text
+
+    short = past | {"colo-2x1": ("colocated", 0.060, 12.0)}  # >= 16 against 12: undecided
+    goal = _goal(_report(_deployments(tmp_path / "short", short), tmp_path / "short.md"))
+    assert goal[1].endswith(
+        "(>= 1.5x: not judged; auto: a lower bound only (no search run failed))"
+    )
+    assert goal[-1] == "**Goal not judged** (auto against colo-2x1)."
+
+
 def _dry_run(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
     script = str(SCRIPTS / "compare_disagg.sh")
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPARE_")} | env
