@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
 # Colocated vs disaggregated on the same two cores, under a prefill-heavy mixed workload.
 #
-#   scripts/compare_disagg.sh [--quick] [--goodput] [--out DIR]
+#   scripts/compare_disagg.sh [--quick] [--goodput] [--deployments NAME,...] [--out DIR]
+#                             [--dry-run]
 #
 # Runs the same seeded bench-serve workload (many short-prompt/long-output requests, the
 # ongoing decodes, with long-prompt/short-output requests arriving among them; see
-# scripts/mixed_workload.py) against, one after the other:
-#   colocated  `pdserve up --colocated --threads-per-node 2 --pin-cores`: one node doing both
-#              prefill and decode, torch on 2 threads, bound to cores 0-1;
-#   disagg     `pdserve up --prefill 1 --decode 1 --pin-cores`: the prefill node bound to core 0,
-#              the decode node to core 1, one torch thread each.
+# scripts/mixed_workload.py) against each deployment, one after the other, each with its
+# nodes pinned to the same two cores (--pin-cores):
+#   colocated-1x2  `pdserve up --colocated --threads-per-node 2 --pin-cores`: one node doing
+#                  both prefill and decode, torch on 2 threads, bound to cores 0-1;
+#   colocated-2x1  `pdserve up --colocated 2 --threads-per-node 1 --pin-cores`: two such
+#                  nodes, one core and one torch thread each; the proxy balances between them;
+#   1p1d-static    `pdserve up --prefill 1 --decode 1 --threads-per-node 1 --pin-cores
+#                  --disagg-mode always`: the prefill node on core 0, the decode node on core
+#                  1, every prompt prefilled on the prefill node;
+#   1p1d-auto      the same with `--disagg-mode auto` (conditional disaggregation: a short
+#                  prompt is prefilled on the decode node when that is estimated to give an
+#                  earlier first token), plus $COMPARE_AUTO_ARGS (e.g. KV streaming flags).
+# --deployments (or COMPARE_DEPLOYMENTS) picks some of them, comma-separated, run in the order
+# given (default: all four, in the order above). Every deployment gets COMPARE_UP_ARGS, then
+# its own extra flags, last, so they win: COMPARE_COLOCATED_1X2_ARGS, COMPARE_COLOCATED_2X1_ARGS,
+# COMPARE_STATIC_ARGS (1p1d-static), COMPARE_AUTO_ARGS (1p1d-auto). --dry-run prints each
+# selected deployment's kind and `pdserve up` flags, and starts nothing.
 # ("cores 0-1" are the first two of the CPUs this script may use.) The proxy (the `pdserve up`
-# process itself) and the benchmark client are not bound: in both deployments they float over
-# the same cores and take the same share, so neither deployment gets a core the other lacks.
+# process itself) and the benchmark client are not bound: in every deployment they float over
+# the same cores and take the same share, so no deployment gets a core another lacks.
 # Each deployment gets a free port, is ready when its /health answers 200, is warmed up with a
 # few requests, benchmarked, then stopped by pid (SIGTERM, SIGKILL after a grace period); an
 # EXIT trap stops whatever is still running. Then scripts/compare_report.py writes
-# DIR/report.md: the model and the objectives (SLOs), both rows side by side (TTFT, TPOT, ITL
-# p50/p99, the share of requests meeting the SLOs at the one rate), who wins, and the bench-serve
-# plots. Per deployment DIR/NAME/ holds bench.json, bench.txt, up.log, node logs and the PNGs.
+# DIR/report.md: the model, the objectives (SLOs) and each deployment's flags; one row per
+# deployment (TTFT, TPOT, ITL p50/p99, the share of requests meeting the SLOs at the one
+# rate), who wins each, the goal line of issue 15 (best 1P1D against the better colocated
+# deployment: goodput >= 1.5x, ITL p99 <= 0.5x; judged only with --goodput), and the plots.
+# Per deployment DIR/NAME/ holds bench.json, bench.txt, up.log, node logs and the PNGs.
 #
 # --goodput adds, per deployment after its fixed-rate run, a goodput search (`bench-serve
 # --goodput-search` on the same dataset): goodput as DistServe defines it, the highest rate at
@@ -30,11 +45,16 @@
 # COMPARE_SEARCH_MAX_RUNS of them per deployment (estimates, not yet timed).
 #
 # It runs on the default model, SmolLM2-135M-Instruct (COMPARE_MODEL=tiny for the
-# bookkeeping-only tiny model); the defaults are sized for it. Default length ~6-8 min on a 2-core
-# machine; --quick (~3 min) is a smoke run: its numbers mean little. Settings (environment; the defaults are fixed, not derived from a run):
+# bookkeeping-only tiny model); the defaults are sized for it. Length: ~3-4 min per deployment
+# on a 2-core machine (the two-deployment script's ~6-8 min, halved; not re-timed for four);
+# --quick is a smoke run: its numbers mean little. Settings (environment; the defaults are
+# fixed, not derived from a run):
 #   COMPARE_OUT               output directory (default out/compare, relative to the current
 #                             directory; --out wins)
-#   COMPARE_MODEL             --model for both deployments and the dataset's tokenizer
+#   COMPARE_DEPLOYMENTS       the deployments to run, comma-separated (default
+#                             colocated-1x2,colocated-2x1,1p1d-static,1p1d-auto;
+#                             --deployments wins)
+#   COMPARE_MODEL             --model for every deployment and the dataset's tokenizer
 #                             (default smollm2-135m-instruct)
 #   COMPARE_RATE              Poisson arrival rate, req/s (default 0.2)
 #   COMPARE_NUM_REQUESTS      measured requests per deployment (default 30; --quick 8)
@@ -53,22 +73,34 @@
 #   COMPARE_GOODPUT_ATTAINMENT --goodput: share of requests that must meet both (default 0.9)
 #   COMPARE_MAX_CONCURRENCY   cap on requests in flight (default 32)
 #   COMPARE_SEED              dataset, order and arrivals (default 0)
-#   COMPARE_UP_ARGS           more `pdserve up` flags for both, e.g. "--kv-backend zmq"
+#   COMPARE_UP_ARGS           more `pdserve up` flags for every deployment, e.g.
+#                             "--kv-backend zmq"
+#   COMPARE_AUTO_ARGS         more flags for 1p1d-auto only, after COMPARE_UP_ARGS (empty by
+#                             default; e.g. a KV streaming flag); likewise
+#                             COMPARE_STATIC_ARGS (1p1d-static), COMPARE_COLOCATED_1X2_ARGS,
+#                             COMPARE_COLOCATED_2X1_ARGS
 #   COMPARE_STARTUP_TIMEOUT_S per deployment (default 240)
 #   PDSERVE_PYTHON            the Python with pdserve installed (default .venv/bin/python if
 #                             present, else python3); run from this checkout (PYTHONPATH)
 set -euo pipefail
 
+needs_value() {  # needs_value FLAG VALUE...: exit 2 unless the flag has a non-empty value
+    [[ -n "${2:-}" ]] || { echo "compare_disagg: $1 needs a value (try --help)" >&2; exit 2; }
+}
 usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 
 quick=0
 goodput=0
+dry_run=0
 out="${COMPARE_OUT:-out/compare}"
+deployments="${COMPARE_DEPLOYMENTS:-colocated-1x2,colocated-2x1,1p1d-static,1p1d-auto}"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --quick) quick=1 ;;
         --goodput) goodput=1 ;;
-        --out) out="${2:?--out needs a directory}"; shift ;;
+        --dry-run) dry_run=1 ;;
+        --out) needs_value "$@"; out="$2"; shift ;;
+        --deployments) needs_value "$@"; deployments="$2"; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "compare_disagg: unknown argument $1 (try --help)" >&2; exit 2 ;;
     esac
@@ -76,8 +108,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"  # relative to where the script was started, before the cd below
+out="$(realpath -m "$out")"  # relative to where the script was started, before the cd below
 cd "$repo"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 py="${PDSERVE_PYTHON:-}"
@@ -112,6 +143,46 @@ request_timeout=120  # per request; the drain at the end of a run waits no longe
 
 say() { echo "[compare $(date +%T)] $*" >&2; }
 
+# deployment NAME: sets `kind` (colocated | disagg, for the report's goal line) and `flags`
+# (its `pdserve up` flags: its own, COMPARE_UP_ARGS, then its own COMPARE_*_ARGS, which win);
+# returns 1 for an unknown NAME.
+deployment() {
+    local extra_var more
+    case "$1" in
+        colocated-1x2) kind=colocated extra_var=COMPARE_COLOCATED_1X2_ARGS
+            flags=(--colocated --threads-per-node 2 --pin-cores) ;;
+        colocated-2x1) kind=colocated extra_var=COMPARE_COLOCATED_2X1_ARGS
+            flags=(--colocated 2 --threads-per-node 1 --pin-cores) ;;
+        1p1d-static) kind=disagg extra_var=COMPARE_STATIC_ARGS
+            flags=(--prefill 1 --decode 1 --threads-per-node 1 --pin-cores --disagg-mode always) ;;
+        1p1d-auto) kind=disagg extra_var=COMPARE_AUTO_ARGS
+            flags=(--prefill 1 --decode 1 --threads-per-node 1 --pin-cores --disagg-mode auto) ;;
+        *) return 1 ;;
+    esac
+    read -ra more <<< "${!extra_var:-}"
+    flags+=(${up_extra[@]+"${up_extra[@]}"} ${more[@]+"${more[@]}"})
+}
+
+IFS=, read -ra selected <<< "$deployments"
+(( ${#selected[@]} > 0 )) || { echo "compare_disagg: --deployments is empty" >&2; exit 2; }
+for name in "${selected[@]}"; do
+    if ! deployment "$name"; then
+        echo "compare_disagg: unknown deployment '$name' (colocated-1x2, colocated-2x1," \
+            "1p1d-static, 1p1d-auto)" >&2
+        exit 2
+    fi
+    if [[ " ${seen:-} " == *" $name "* ]]; then
+        echo "compare_disagg: deployment '$name' given twice" >&2; exit 2
+    fi
+    seen="${seen:-} $name"
+done
+describe() { echo "$1 ($kind): \`pdserve up ${flags[*]}\`"; }  # after `deployment NAME`
+if (( dry_run )); then
+    for name in "${selected[@]}"; do deployment "$name"; describe "$name"; done
+    exit 0
+fi
+mkdir -p "$out"
+
 up_pid=""
 stop_deployment() {
     [[ -n "$up_pid" ]] || return 0
@@ -144,8 +215,7 @@ start_deployment() {
     url="http://127.0.0.1:$port"
     say "$name: pdserve up $* on $url"
     "$py" -m common.cli up --host 127.0.0.1 --port "$port" --log-dir "$dir/node-logs" --model "$model" \
-        --startup-timeout-s "$startup_timeout" "$@" ${up_extra[@]+"${up_extra[@]}"} \
-        >"$dir/up.log" 2>&1 &
+        --startup-timeout-s "$startup_timeout" "$@" >"$dir/up.log" 2>&1 &
     up_pid=$!
     local deadline=$((SECONDS + startup_timeout + 30))
     until curl -sf --max-time 2 -o /dev/null "$url/health"; do
@@ -192,26 +262,28 @@ search() {  # search NAME: the goodput search into $out/NAME/goodput/
         --json "$dir/search.json" --plot-dir "$dir" | tee "$dir/search.txt"
 }
 
-rm -rf "$out/colocated" "$out/disagg"
-mkdir -p "$out/colocated" "$out/disagg"
+for name in "${selected[@]}"; do rm -rf "${out:?}/$name"; mkdir -p "$out/$name"; done
 dataset="$out/mixed.jsonl"
 "$py" scripts/mixed_workload.py --out "$dataset" --num-requests "$num" --seed "$seed" --model "$model" \
     --long-fraction "$long_fraction" --long-input "$long_input" --short-output "$short_output"
 cpus="$("$py" -c 'import os; print(len(os.sched_getaffinity(0)))')"
 loadavg=()
 
-start_deployment colocated --colocated --threads-per-node 2 --pin-cores
-bench colocated
-if (( goodput )); then search colocated; fi
-stop_deployment
-
-start_deployment disagg --prefill 1 --decode 1 --threads-per-node 1 --pin-cores
-bench disagg
-if (( goodput )); then search disagg; fi
-stop_deployment
+run_args=()
+described=()
+for name in "${selected[@]}"; do
+    deployment "$name"
+    start_deployment "$name" "${flags[@]}"
+    bench "$name"
+    if (( goodput )); then search "$name"; fi
+    stop_deployment
+    run_args+=(--run "$kind:$name=$out/$name")
+    described+=("$(describe "$name")")
+done
 
 context=(
-    "machine: $cpus CPUs usable ($(nproc --all) online); nodes bound to the first two, the proxy and the client unbound (they float over the same cores in both deployments)"
+    "machine: $cpus CPUs usable ($(nproc --all) online); nodes bound to the first two, the proxy and the client unbound (they float over the same cores in every deployment)"
+    "${described[@]}"
     "workload: $num requests; $(awk -v f="$long_fraction" 'BEGIN{printf "%.0f%%", (1-f)*100}') short prompt (~48 tokens) / long output (~$short_output tokens), the rest long prompt (~$long_input tokens +-20%) / short output (~12 tokens); prompt lengths exact in the model's tokens"
     "warm-up: $warmup unmeasured requests per deployment"
     "${loadavg[@]}"
@@ -222,6 +294,5 @@ fi
 if (( quick )); then context=("**quick smoke run: too few requests for stable p99s**" "${context[@]}"); fi
 ctx_args=()
 for line in "${context[@]}"; do ctx_args+=(--context "$line"); done
-"$py" scripts/compare_report.py --colocated "$out/colocated" --disagg "$out/disagg" \
-    --out "$out/report.md" "${ctx_args[@]}"
+"$py" scripts/compare_report.py "${run_args[@]}" --out "$out/report.md" "${ctx_args[@]}"
 say "report: $out/report.md"

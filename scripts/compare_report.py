@@ -1,32 +1,50 @@
 """Markdown report of a colocated vs disaggregated comparison (`scripts/compare_disagg.sh`).
 
-Each run directory holds one `pdserve bench-serve` result (`bench.json`) and its plots
-(`*.png` from `--plot-dir`). The report: the setup (the model and the objectives included),
-one table row per deployment (TTFT, TPOT and ITL p50/p99, throughput, the share of requests
-meeting the SLOs and SLO-met requests/s at the run's one rate), one line on who wins each
-headline number, a bar chart of the p50/p99s side by side (`compare.png` beside the report)
-and each run's plots, linked relative to the report.
+Each run is one deployment, given as `--run KIND:LABEL=DIR`: KIND is `colocated` or
+`disagg` (which side of the goal below the run counts on), LABEL its name in the report, DIR
+its directory, holding one `pdserve bench-serve` result (`bench.json`) and its plots (`*.png`
+from `--plot-dir`). Any number of runs, in the order given; `--colocated DIR` and `--disagg
+DIR` are shorthands for one run of each kind (labels `--colocated-label`, `--disagg-label`).
+
+The report: the setup (the model and the objectives included); the goal line (below); one
+table row per deployment (TTFT, TPOT and ITL p50/p99, throughput, the share of requests
+meeting the SLOs and SLO-met requests/s at the run's one rate); one line on who wins each
+headline number; a bar chart of every deployment's p50/p99s (`compare.png` beside the
+report) and each run's plots, linked relative to the report.
 
 Where the run directories also hold a goodput search (`goodput/search.json`, from
 `bench-serve --goodput-search`; all of them or none), a section on goodput as DistServe
 defines it: per deployment the highest rate at which >= 90% of requests met both the TTFT
-and the TPOT objective, its bracket and attainment curve, who wins, and both curves in one
+and the TPOT objective, its bracket and attainment curve, who wins, and every curve in one
 plot (`goodput.png` beside the report).
 
-    python scripts/compare_report.py --colocated out/compare/colocated \\
-        --disagg out/compare/disagg --out out/compare/report.md --context "rate 1 req/s"
+The goal (issue 15): the best disaggregated run's goodput (DistServe) at least
+`--goal-goodput-ratio` (1.5) times the better colocated run's, and its decode ITL p99 (from
+the fixed-rate run) at most `--goal-itl-ratio` (0.5) times that colocated run's. "Best" and
+"better" are by goodput, a tie going to the lower ITL p99. The report states both ratios
+with their numbers, each met, not met or not judged, and the goal met, not met, or not
+judged (no goodput search, no run of one kind, or a goodput that is only a lower bound, its
+search never having failed a run, where that leaves the ratio undecided).
+
+    python scripts/compare_report.py --run colocated:colocated-1x2=out/compare/colocated-1x2 \\
+        --run disagg:1p1d-auto=out/compare/1p1d-auto --out out/compare/report.md \\
+        --context "rate 1 req/s"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TIE = 0.05  # relative difference under which neither side wins
+TIE = 0.05  # relative difference under which runs tie
+KINDS = ("colocated", "disagg")
 SEARCH_FILE = Path("goodput") / "search.json"
 COLUMNS = (
     ("done/sent", lambda r: f"{r['completed']}/{r['sent']}"),
@@ -50,6 +68,62 @@ HEADLINES = (
     ("SLO-met req/s", "req/s", lambda r: r["goodput"], True),
     ("met SLO", "%", lambda r: _percent(r["slo_attainment"]), True),
 )
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One `--run KIND:LABEL=DIR`."""
+
+    kind: str
+    label: str
+    dir: Path
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"a run's kind is one of {', '.join(KINDS)}, not {self.kind!r}")
+        if not self.label or "|" in self.label:
+            raise ValueError(f"a run's label must be non-empty, without '|': {self.label!r}")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One deployment's results: its fixed-rate run and, with --goodput, its search."""
+
+    spec: RunSpec
+    bench: dict[str, Any]
+    search: dict[str, Any] | None
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def itl_p99(self) -> float | None:
+        return self.bench["itl_ms"]["p99"]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """Issue 15's goal: best disaggregated / better colocated goodput and ITL p99 bounds."""
+
+    goodput_ratio: float = 1.5  # at least
+    itl_ratio: float = 0.5  # at most
+
+    def __post_init__(self) -> None:
+        if self.goodput_ratio <= 0 or self.itl_ratio <= 0:
+            raise ValueError("the goal's ratios must be > 0")
+
+
+def run_spec(text: str) -> RunSpec:
+    """Parse `KIND:LABEL=DIR` (argparse's type for --run)."""
+    head, eq, path = text.partition("=")
+    kind, colon, label = head.partition(":")
+    if not (eq and colon and path):
+        raise argparse.ArgumentTypeError(f"expected KIND:LABEL=DIR, got {text!r}")
+    try:
+        return RunSpec(kind, label, Path(path))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _percent(fraction: float | None) -> float | None:
@@ -77,20 +151,25 @@ def slo_text(slo: dict[str, float | None]) -> str:
     return " and ".join(parts) or "none given"
 
 
-def verdict(
-    label: str, unit: str, names: tuple[str, str], values: tuple[Any, Any], up: bool
-) -> str:
-    """One clause: who wins `label` and by how much (the higher value wins when `up`)."""
-    va, vb = values
-    if va is None or vb is None:
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TIE * max(abs(a), abs(b))
+
+
+def verdict(label: str, unit: str, values: Sequence[tuple[str, float | None]], up: bool) -> str:
+    """One clause: which run wins `label` (the highest value when `up`) over the next best and
+    by how much, or which runs tie for it (within TIE of the best); runs without a value are
+    left out."""
+    known = [(name, v) for name, v in values if v is not None]
+    if len(known) < 2:
         return f"{label}: n/a"
-    if max(va, vb) == 0 or abs(va - vb) <= TIE * max(va, vb):
-        return f"{label}: tie ({_short(va)} vs {_short(vb)} {unit})"
-    win = 0 if (va > vb) == up else 1
+    ranked = sorted(known, key=lambda nv: nv[1], reverse=up)
+    (best, bv), (nxt, nv) = ranked[0], ranked[1]
+    if _close(bv, nv):
+        tied = ", ".join(f"{name} {_short(v)}" for name, v in ranked if _close(bv, v))
+        return f"{label}: tie ({tied} {unit})"
     better = "higher" if up else "lower"
-    ratio = f"{max(va, vb) / min(va, vb):.2g}x {better}" if min(va, vb) > 0 else "the other is 0"
-    pair = f"{_short(values[win])} vs {_short(values[1 - win])} {unit}"
-    return f"{label}: **{names[win]}** ({pair}, {ratio})"
+    ratio = f", {max(bv, nv) / min(bv, nv):.2g}x {better}" if min(bv, nv) > 0 else ""
+    return f"{label}: **{best}** ({_short(bv)} {unit}; next {nxt} {_short(nv)} {unit}{ratio})"
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -100,31 +179,25 @@ def _load(path: Path) -> dict[str, Any]:
         raise ValueError(f"cannot read {path}: {e}") from None
 
 
-def load_run(run_dir: Path) -> dict[str, Any]:
-    return _load(run_dir / "bench.json")
+def load_runs(specs: list[RunSpec]) -> list[Run]:
+    """Each run's bench.json and goodput search (all of them or none may have one)."""
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two runs share a label: {', '.join(labels)}")
+    paths = [s.dir / SEARCH_FILE for s in specs]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing and len(missing) != len(paths):
+        raise ValueError(f"a goodput search for some deployments only: no {', '.join(missing)}")
+    return [
+        Run(s, _load(s.dir / "bench.json"), None if missing else _load(p))
+        for s, p in zip(specs, paths, strict=True)
+    ]
 
 
-def load_searches(run_dirs: list[Path]) -> list[dict[str, Any]] | None:
-    """Each run directory's goodput search, or None when none has one."""
-    paths = [d / SEARCH_FILE for d in run_dirs]
-    present = [p for p in paths if p.exists()]
-    if not present:
-        return None
-    if len(present) != len(paths):
-        missing = ", ".join(str(p) for p in paths if not p.exists())
-        raise ValueError(f"a goodput search for some deployments only: no {missing}")
-    return [_load(p) for p in paths]
-
-
-def render(
-    runs: list[tuple[str, Path, dict[str, Any]]],
-    out: Path,
-    context: list[str],
-    searches: list[dict[str, Any]] | None = None,
-) -> str:
-    first = runs[0][2]
+def _setup_lines(runs: list[Run], context: list[str]) -> list[str]:
+    first = runs[0].bench
     cfg = first["config"]
-    lines = ["# Colocated vs disaggregated (1P1D) on the same cores", "", "## Setup", ""]
+    lines = ["# Colocated vs disaggregated on the same cores", "", "## Setup", ""]
     lines += [f"- model: `{cfg['model']}` (as the server names it)"]
     lines += [f"- {line}" for line in context]
     lines += [
@@ -134,17 +207,26 @@ def render(
         f'- objectives (SLOs): {slo_text(first["slo"])}; "met SLO" is the share of sent '
         'requests meeting them, "SLO-met req/s" those requests per second of the run',
         "",
+    ]
+    return lines
+
+
+def _results_lines(runs: list[Run]) -> list[str]:
+    lines = [
         "## Results",
         "",
-        "| deployment | " + " | ".join(name for name, _ in COLUMNS) + " |",
-        "|---|" + "---:|" * len(COLUMNS),
+        "| deployment | kind | " + " | ".join(name for name, _ in COLUMNS) + " |",
+        "|---|---|" + "---:|" * len(COLUMNS),
     ]
-    lines += [f"| {label} | " + " | ".join(f(r) for _, f in COLUMNS) + " |" for label, _, r in runs]
-    names = (runs[0][0].split(" (")[0], runs[1][0].split(" (")[0])
-    a, b = runs[0][2], runs[1][2]
-    clauses = [verdict(lbl, unit, names, (f(a), f(b)), up) for lbl, unit, f, up in HEADLINES]
+    for run in runs:
+        cells = " | ".join(f(run.bench) for _, f in COLUMNS)
+        lines.append(f"| {run.label} | {run.spec.kind} | {cells} |")
+    clauses = [
+        verdict(name, unit, [(r.label, f(r.bench)) for r in runs], up)
+        for name, unit, f, up in HEADLINES
+    ]
     lines += ["", "Reading: " + "; ".join(clauses) + ".", ""]
-    failed = [f"{label}: {r['errors']['by_kind']}" for label, _, r in runs if r["failed"]]
+    failed = [f"{r.label}: {r.bench['errors']['by_kind']}" for r in runs if r.bench["failed"]]
     if failed:
         lines += ["Failed requests: " + "; ".join(failed) + ".", ""]
     lines += [
@@ -153,23 +235,113 @@ def render(
         "on the same engine delays. TPOT is per request ((e2e - TTFT) / (tokens - 1)).",
         "",
     ]
-    if searches is not None:
-        labels = [label for label, _, _ in runs]
-        lines += render_goodput(labels, searches)
-    lines += ["## Plots", "", "![p50 and p99 side by side](compare.png)", ""]
-    for label, run_dir, _ in runs:
-        for png in sorted(run_dir.glob("*.png")):
+    return lines
+
+
+def render(runs: list[Run], out: Path, context: list[str], goal: Goal | None = None) -> str:
+    lines = _setup_lines(runs, context)
+    lines += render_goal(runs, goal or Goal())
+    lines += _results_lines(runs)
+    if runs[0].search is not None:
+        lines += render_goodput(runs)
+    lines += ["## Plots", "", "![p50 and p99 of every deployment](compare.png)", ""]
+    for run in runs:
+        for png in sorted(run.spec.dir.glob("*.png")):
             rel = Path(os.path.relpath(png, out.parent)).as_posix()
-            lines += [f"### {label}: {png.name}", "", f"![{label} {png.stem}]({rel})", ""]
+            lines += [f"### {run.label}: {png.name}", "", f"![{run.label} {png.stem}]({rel})", ""]
     return "\n".join(lines)
+
+
+def _goodput(run: Run) -> float:
+    assert run.search is not None
+    return run.search["goodput_distserve_rps"]
+
+
+def _best(runs: list[Run]) -> Run:
+    """The run with the highest goodput; of equal ones, the lowest ITL p99."""
+
+    def key(run: Run) -> tuple[float, float]:
+        itl = run.itl_p99
+        return _goodput(run), -(math.inf if itl is None else itl)
+
+    return max(runs, key=key)
+
+
+def _check(num: float | None, den: float | None, bound: float, at_least: bool) -> tuple[str, str]:
+    """(num / den as text, "met" | "not met" | "not judged") against `bound`."""
+    if num is None or den is None:
+        return "n/a", "not judged"
+    ratio = num / den if den else (math.inf if num > 0 else math.nan)
+    met = ratio >= bound if at_least else ratio <= bound
+    text = f"{ratio:.2f}x" if math.isfinite(ratio) else "no finite ratio"
+    return text, "met" if met else "not met"
+
+
+def _lower_bound(run: Run) -> bool:
+    """Whether the run's goodput is only a lower bound: its search never failed a run."""
+    assert run.search is not None
+    return run.search["lowest_failing_rate"] is None and _goodput(run) > 0
+
+
+def _goodput_check(d: Run, c: Run, goal: Goal) -> tuple[str, str]:
+    """(the goodput line, its verdict). A lower bound decides nothing, except a disaggregated
+    one already past the bound against a colocated goodput that is not one."""
+    text, met = _check(_goodput(d), _goodput(c), goal.goodput_ratio, at_least=True)
+    line = f"- goodput: {d.label} {_goodput(d):g} req/s / {c.label} {_goodput(c):g} req/s = {text}"
+    bounded = [r.label for r in (d, c) if _lower_bound(r)]
+    if _lower_bound(c) or (_lower_bound(d) and met == "not met"):
+        met = "not judged"
+        what = "lower bounds" if len(bounded) > 1 else "a lower bound"
+        why = f"; {' and '.join(bounded)}: {what} only (no search run failed)"
+        return f"{line} (>= {goal.goodput_ratio:g}x: {met}{why})", met
+    return f"{line} (>= {goal.goodput_ratio:g}x: {met})", met
+
+
+def render_goal(runs: list[Run], goal: Goal) -> list[str]:
+    """Issue 15's goal line: the two ratios, each met or not, and the goal as a whole."""
+    lines = [
+        "## Goal",
+        "",
+        f"Goal (issue 15): the best disaggregated deployment's goodput (DistServe) >= "
+        f"{goal.goodput_ratio:g}x the better colocated deployment's, with its decode ITL p99 "
+        f"<= {goal.itl_ratio:g}x that colocated deployment's (best and better by goodput, a "
+        "tie going to the lower ITL p99; ITL p99 from the fixed-rate run).",
+        "",
+    ]
+    colocated = [r for r in runs if r.spec.kind == "colocated"]
+    disagg = [r for r in runs if r.spec.kind == "disagg"]
+    if not colocated or not disagg:
+        return lines + ["**Goal not judged**: it needs a colocated and a disaggregated run.", ""]
+    if runs[0].search is None:
+        why = "it needs each deployment's goodput search (`compare_disagg.sh --goodput`)"
+        return lines + [f"**Goal not judged**: {why}.", ""]
+    d, c = _best(disagg), _best(colocated)
+    g_line, g_met = _goodput_check(d, c, goal)
+    i_text, i_met = _check(d.itl_p99, c.itl_p99, goal.itl_ratio, at_least=False)
+    verdicts = {g_met, i_met}
+    overall = "not met" if "not met" in verdicts else "met" if verdicts == {"met"} else "not judged"
+    lines += [
+        g_line,
+        f"- decode ITL p99: {d.label} {_ms(d.itl_p99)} / {c.label} {_ms(c.itl_p99)} = "
+        f"{i_text} (<= {goal.itl_ratio:g}x: {i_met})",
+        "",
+        f"**Goal {overall}** ({d.label} against {c.label}).",
+        "",
+    ]
+    return lines
 
 
 def _curve_text(search: dict[str, Any]) -> str:
     return ", ".join(f"{row['rate']:g}: {row['attainment']:.0%}" for row in search["curve"])
 
 
-def render_goodput(labels: list[str], searches: list[dict[str, Any]]) -> list[str]:
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def render_goodput(runs: list[Run]) -> list[str]:
     """The goodput (DistServe) section: objectives, one row per deployment, who wins."""
+    searches = [r.search for r in runs if r.search is not None]
     first = searches[0]
     slo, threshold, search = first["slo"], first["attainment_threshold"], first["search"]
     share, model = f"{threshold:.0%}", first["config"]["model"]
@@ -186,29 +358,24 @@ def render_goodput(labels: list[str], searches: list[dict[str, Any]]) -> list[st
         f"req/s, doubling while runs pass (halving while they fail), then bisecting to a "
         f"relative tolerance of {search['tolerance']:g}, at most {search['max_runs']} runs.",
         "",
-        "| deployment | goodput (DistServe) req/s | passed / failed at | runs | attainment by "
-        "rate (req/s: share) |",
-        "|---|---:|---|---:|---|",
+        "| deployment | kind | goodput (DistServe) req/s | passed / failed at | runs | "
+        "attainment by rate (req/s: share) |",
+        "|---|---|---:|---|---:|---|",
     ]
-    for label, s in zip(labels, searches, strict=True):
+    for run, s in zip(runs, searches, strict=True):
         bracket = f"{_rate(s['highest_passing_rate'])} / {_rate(s['lowest_failing_rate'])}"
         lines.append(
-            f"| {label} | {s['goodput_distserve_rps']:g} | {bracket} | "
+            f"| {run.label} | {run.spec.kind} | {s['goodput_distserve_rps']:g} | {bracket} | "
             f"{s['search']['runs_used']} | {_curve_text(s)} |"
         )
-    names = (labels[0].split(" (")[0], labels[1].split(" (")[0])
-    values = (searches[0]["goodput_distserve_rps"], searches[1]["goodput_distserve_rps"])
-    lines += ["", "Reading: " + verdict("goodput (DistServe)", "req/s", names, values, True) + "."]
-    lines += [f"- {label}: {s['note']}." for label, s in zip(labels, searches, strict=True)]
+    values = [(r.label, _goodput(r)) for r in runs]
+    lines += ["", "Reading: " + verdict("goodput (DistServe)", "req/s", values, True) + "."]
+    lines += [f"- {run.label}: {s['note']}." for run, s in zip(runs, searches, strict=True)]
     lines += ["", "![SLO attainment against the offered rate](goodput.png)", ""]
     return lines
 
 
-def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}"
-
-
-def plot_goodput(labels: list[str], searches: list[dict[str, Any]], path: Path) -> None:
+def plot_goodput(runs: list[Run], path: Path) -> None:
     """Each deployment's attainment curve, the threshold and each goodput, in one plot."""
     import matplotlib
 
@@ -217,69 +384,95 @@ def plot_goodput(labels: list[str], searches: list[dict[str, Any]], path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    searches = [r.search for r in runs if r.search is not None]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, search in zip(labels, searches, strict=True):
+    for i, (run, search) in enumerate(zip(runs, searches, strict=True)):
         xs = [row["rate"] for row in search["curve"]]
-        line = ax.plot(xs, [100 * row["attainment"] for row in search["curve"]], "o-")[0]
-        line.set_label(f"{label.split(' (')[0]}: {search['goodput_distserve_rps']:g} req/s")
-        if search["goodput_distserve_rps"] > 0:
-            ax.axvline(search["goodput_distserve_rps"], color=line.get_color(), linestyle=":")
+        ys = [100 * row["attainment"] for row in search["curve"]]
+        goodput = search["goodput_distserve_rps"]
+        ax.plot(xs, ys, "o-", color=f"C{i}", label=f"{run.label}: {goodput:g} req/s")
+        if goodput > 0:
+            ax.axvline(goodput, color=f"C{i}", linestyle=":")
     threshold = 100 * searches[0]["attainment_threshold"]
-    ax.axhline(threshold, color="red", linestyle="--", label=f"threshold {threshold:.0f}%")
+    ax.axhline(threshold, color="black", linestyle="--", label=f"threshold {threshold:.0f}%")
     slo = searches[0]["slo"]
     ax.set_title(f"TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms")
     save_attainment_plot(fig, ax, path)
 
 
-def plot_comparison(runs: list[tuple[str, Path, dict[str, Any]]], path: Path) -> None:
-    """p50 and p99 of TTFT, TPOT and ITL, one bar per deployment, each labelled with its value."""
+def plot_comparison(runs: list[Run], path: Path) -> None:
+    """p50 and p99 of TTFT, TPOT and ITL, one bar per deployment, each labelled with its value
+    (deployment i in colour Ci, as in the goodput plot)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     metrics = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(13, 4))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 + 3 * len(runs), 4.5))
     width = 0.8 / len(runs)
     for ax, (key, title) in zip(axes, metrics, strict=True):
-        for i, (label, _, run) in enumerate(runs):
-            values = [run[key][p] or 0.0 for p in ("p50", "p99")]
+        for i, run in enumerate(runs):
+            values = [run.bench[key][p] or 0.0 for p in ("p50", "p99")]
             xs = [x + i * width for x in (0, 1)]
-            bars = ax.bar(xs, values, width, label=label.split(" (")[0])
-            ax.bar_label(bars, labels=[_short(v) for v in values], fontsize=8)
+            bars = ax.bar(xs, values, width, label=run.label, color=f"C{i}")
+            ax.bar_label(bars, labels=[_short(v) for v in values], fontsize=7)
         ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in (0, 1)], ["p50", "p99"])
         ax.set_title(f"{title} (ms)")
         ax.grid(alpha=0.3, axis="y")
-        ax.legend()
+    axes[-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--colocated", type=Path, required=True, help="run dir of the baseline")
-    p.add_argument("--disagg", type=Path, required=True, help="run dir of 1P1D")
-    p.add_argument("--colocated-label", default="colocated (1 node, 2 threads on 2 cores)")
-    p.add_argument("--disagg-label", default="1P1D (prefill, decode: 1 core each)")
+    p.add_argument(
+        "--run",
+        type=run_spec,
+        action="append",
+        default=[],
+        metavar="KIND:LABEL=DIR",
+        help=f"one deployment's run dir (repeatable, in report order); KIND: {', '.join(KINDS)}",
+    )
+    p.add_argument("--colocated", type=Path, help="shorthand: --run colocated:LABEL=DIR, first")
+    p.add_argument("--disagg", type=Path, help="shorthand: --run disagg:LABEL=DIR, next")
+    p.add_argument("--colocated-label", default="colocated", help="LABEL of --colocated")
+    p.add_argument("--disagg-label", default="1P1D", help="LABEL of --disagg")
+    p.add_argument("--goal-goodput-ratio", type=float, default=Goal.goodput_ratio)
+    p.add_argument("--goal-itl-ratio", type=float, default=Goal.itl_ratio)
     p.add_argument("--out", type=Path, required=True, help="the Markdown file to write")
     p.add_argument("--context", action="append", default=[], help="a setup line (repeatable)")
+    return p
+
+
+def _specs(args: argparse.Namespace) -> list[RunSpec]:
+    specs = []
+    if args.colocated is not None:
+        specs.append(RunSpec("colocated", args.colocated_label, args.colocated))
+    if args.disagg is not None:
+        specs.append(RunSpec("disagg", args.disagg_label, args.disagg))
+    return specs + args.run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
-        runs = [
-            (args.colocated_label, args.colocated, load_run(args.colocated)),
-            (args.disagg_label, args.disagg, load_run(args.disagg)),
-        ]
-        searches = load_searches([args.colocated, args.disagg])
-        text = render(runs, args.out, args.context, searches)
+        specs = _specs(args)
+        if not specs:
+            p.error("give at least one --run (or --colocated / --disagg)")
+        runs = load_runs(specs)
+        goal = Goal(args.goal_goodput_ratio, args.goal_itl_ratio)
+        text = render(runs, args.out, args.context, goal)
     except ValueError as e:
         print(f"compare_report: {e}", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot_comparison(runs, args.out.parent / "compare.png")
-    if searches is not None:
-        labels = [args.colocated_label, args.disagg_label]
-        plot_goodput(labels, searches, args.out.parent / "goodput.png")
+    if runs[0].search is not None:
+        plot_goodput(runs, args.out.parent / "goodput.png")
     args.out.write_text(text + "\n")
     print(args.out)
     return 0

@@ -1,15 +1,18 @@
 """The helpers of scripts/compare_disagg.sh: the mixed workload it writes and the report it
-builds from two bench-serve results (their JSON made by bench-serve's own summarize); and
-scripts/bench_engine.py's rows."""
+builds from any number of bench-serve results (their JSON made by bench-serve's own
+summarize); and scripts/bench_engine.py's rows."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 from common.text.tokenizer import Tokenizer
@@ -74,22 +77,78 @@ def _run(run_dir: Path, gap_s: float, slo: Slo) -> None:
     (run_dir / "cdf-rate1.png").write_bytes(b"")
 
 
-def test_report_has_both_rows_a_verdict_and_the_plots(tmp_path: Path) -> None:
+def _report(argv: list[str], out: Path) -> str:
+    assert _script("compare_report").main([*argv, "--out", str(out)]) == 0
+    return out.read_text()
+
+
+def _rows(text: str, section: str) -> list[str]:
+    """The table rows of one `## section` of a report."""
+    body = text.split(f"## {section}\n")[1].split("\n## ")[0]
+    return [line for line in body.splitlines() if line.startswith("| ") and "---" not in line][1:]
+
+
+def test_report_has_a_row_per_deployment_a_verdict_and_the_plots(tmp_path: Path) -> None:
     slo = Slo(ttft_ms=1000, tpot_ms=50)
-    _run(tmp_path / "colocated", 0.080, slo)  # misses the TPOT SLO
-    _run(tmp_path / "disagg", 0.020, slo)
-    out = tmp_path / "report.md"
-    argv = ["--colocated", str(tmp_path / "colocated"), "--disagg", str(tmp_path / "disagg")]
-    assert _script("compare_report").main([*argv, "--out", str(out), "--context", "ctx"]) == 0
-    text = out.read_text()
+    gaps = {"colo-1x2": 0.080, "colo-2x1": 0.060, "static": 0.030, "auto": 0.020}
+    argv = []
+    for name, gap in gaps.items():  # the colocated ones miss the TPOT SLO
+        _run(tmp_path / name, gap, slo)
+        argv += ["--run", f"{'colocated' if 'colo' in name else 'disagg'}:{name}={tmp_path / name}"]
+    text = _report([*argv, "--context", "ctx"], tmp_path / "report.md")
     assert "- ctx" in text and "TTFT <= 1000 ms and TPOT <= 50 ms" in text
-    rows = [line for line in text.splitlines() if line.startswith(("| colocated", "| 1P1D"))]
-    assert len(rows) == 2 and "0.00 | 0%" in rows[0] and "1.00 | 100%" in rows[1]
-    assert "decode ITL p99: **1P1D** (20.0 vs 80.0 ms, 4x lower)" in text
-    assert "TTFT p50: tie" in text and "SLO-met req/s: **1P1D**" in text
+    rows = _rows(text, "Results")
+    assert [row.split(" | ")[:2] for row in rows] == [
+        ["| colo-1x2", "colocated"], ["| colo-2x1", "colocated"],
+        ["| static", "disagg"], ["| auto", "disagg"],
+    ]  # fmt: skip
+    assert "0.00 | 0%" in rows[1] and "1.00 | 100%" in rows[3]
+    assert "decode ITL p99: **auto** (20.0 ms; next static 30.0 ms, 1.5x lower)" in text
+    assert "TTFT p50: tie (colo-1x2 100, colo-2x1 100, static 100, auto 100 ms)" in text
+    assert "SLO-met req/s: tie (static 1.00, auto 1.00 req/s)" in text
     assert "- model: `smollm2-135m`" in text and "Goodput (DistServe)" not in text
-    assert "](colocated/cdf-rate1.png)" in text and "](disagg/cdf-rate1.png)" in text
+    assert all(f"]({name}/cdf-rate1.png)" in text for name in gaps)
     assert (tmp_path / "compare.png").stat().st_size > 0
+    assert "**Goal not judged**: it needs each deployment's goodput search" in text
+
+
+def test_report_verdict_names_the_winner_and_the_next_best() -> None:
+    verdict = _script("compare_report").verdict
+    values = [("a", 80.0), ("b", 20.0), ("c", None), ("d", 60.0)]
+    assert verdict("ITL", "ms", values, False) == "ITL: **b** (20.0 ms; next d 60.0 ms, 3x lower)"
+    assert (
+        verdict("g", "req/s", values, True)
+        == "g: **a** (80.0 req/s; next d 60.0 req/s, 1.3x higher)"
+    )
+    zero = verdict("g", "req/s", [("a", 8.0), ("b", 0.0)], True)
+    assert zero == "g: **a** (8.00 req/s; next b 0.00 req/s)"  # goodput 0: no ratio
+    assert verdict("g", "req/s", [("a", 8.0), ("b", None)], True) == "g: n/a"
+
+
+def test_report_takes_the_colocated_and_disagg_shorthands(tmp_path: Path) -> None:
+    slo = Slo(ttft_ms=1000, tpot_ms=50)
+    _run(tmp_path / "colocated", 0.080, slo)
+    _run(tmp_path / "disagg", 0.020, slo)
+    argv = ["--colocated", str(tmp_path / "colocated"), "--disagg", str(tmp_path / "disagg")]
+    text = _report(argv, tmp_path / "report.md")
+    rows = [row.split(" | ")[:2] for row in _rows(text, "Results")]
+    assert rows == [["| colocated", "colocated"], ["| 1P1D", "disagg"]]
+    assert "decode ITL p99: **1P1D** (20.0 ms; next colocated 80.0 ms, 4x lower)" in text
+
+
+def test_report_refuses_bad_runs(tmp_path: Path) -> None:
+    slo = Slo(ttft_ms=1000, tpot_ms=50)
+    _run(tmp_path / "a", 0.080, slo)
+    main = _script("compare_report").main
+    out = ["--out", str(tmp_path / "report.md")]
+    for bad in ("a", "colocated:a", "both:a=x", "colocated:=x", "colocated:a|b=x"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--run", bad, *out])
+        assert exit_.value.code == 2
+    same = f"colocated:a={tmp_path / 'a'}"
+    assert main(["--run", same, "--run", same, *out]) == 2  # one label twice
+    assert main(["--run", f"disagg:b={tmp_path / 'missing'}", *out]) == 2
+    assert not (tmp_path / "report.md").exists()
 
 
 def _search(run_dir: Path, knee: float, slo: Slo) -> None:
@@ -105,35 +164,143 @@ def _search(run_dir: Path, knee: float, slo: Slo) -> None:
         search.record(rate, run["slo_attainment"])
     config = {k: v for k, v in _config(1.0).items() if k != "rate"}
     doc = document(search.result(), cfg, slo, config, runs)
-    (run_dir / "goodput").mkdir()
+    (run_dir / "goodput").mkdir(exist_ok=True)
     (run_dir / "goodput" / "search.json").write_text(json.dumps(doc))
 
 
+def _deployments(root: Path, table: dict[str, tuple[str, float, float]]) -> list[str]:
+    """One run dir per `label: (kind, ITL gap s, goodput knee req/s)`; their --run flags."""
+    slo, argv = Slo(ttft_ms=1000, tpot_ms=50), []
+    root.mkdir()
+    for label, (kind, gap, knee) in table.items():
+        _run(root / label, gap, slo)
+        _search(root / label, knee, slo)
+        argv += ["--run", f"{kind}:{label}={root / label}"]
+    return argv
+
+
+FOUR = {
+    "colo-1x2": ("colocated", 0.080, 1.5),
+    "colo-2x1": ("colocated", 0.060, 2.0),
+    "static": ("disagg", 0.021, 5.0),
+    "auto": ("disagg", 0.020, 5.0),
+}
+
+
 def test_report_states_goodput_distserve_per_deployment(tmp_path: Path) -> None:
-    slo = Slo(ttft_ms=1000, tpot_ms=50)
-    for name, gap, knee in (("colocated", 0.08, 1.5), ("disagg", 0.02, 5.0)):
-        _run(tmp_path / name, gap, slo)
-        _search(tmp_path / name, knee, slo)
-    out = tmp_path / "report.md"
-    argv = ["--colocated", str(tmp_path / "colocated"), "--disagg", str(tmp_path / "disagg")]
-    assert _script("compare_report").main([*argv, "--out", str(out)]) == 0
-    text = out.read_text()
+    argv = _deployments(tmp_path / "four", FOUR)
+    text = _report(argv, tmp_path / "report.md")
     assert "## Goodput (DistServe)" in text and "Model `smollm2-135m`" in text
     assert "TTFT <= 1000 ms and TPOT <= 50 ms, met by at least 90% of the requests" in text
-    rows = [line for line in text.splitlines() if line.startswith(("| colocated", "| 1P1D"))]
-    assert rows[2].startswith("| colocated") and "| 1.5 | 1.5 / 1.625 | 5 |" in rows[2]
-    assert "1: 100%, 1.5: 100%, 1.625: 0%, 1.75: 0%, 2: 0%" in rows[2]
-    assert "| 5 | 5 / 6 | 6 |" in rows[3]
-    assert "goodput (DistServe): **1P1D** (5.00 vs 1.50 req/s, 3.3x higher)" in text
+    rows = _rows(text, "Goodput (DistServe)")
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| colo-1x2",
+        "| colo-2x1",
+        "| static",
+        "| auto",
+    ]
+    assert "| colocated | 1.5 | 1.5 / 1.625 | 5 |" in rows[0]
+    assert "1: 100%, 1.5: 100%, 1.625: 0%, 1.75: 0%, 2: 0%" in rows[0]
+    assert "| colocated | 2 | 2 / 2.25 | 6 |" in rows[1]
+    assert "| disagg | 5 | 5 / 6 | 6 |" in rows[2] and "| disagg | 5 | 5 / 6 | 6 |" in rows[3]
+    assert "goodput (DistServe): tie (static 5.00, auto 5.00 req/s)" in text
     assert "![SLO attainment against the offered rate](goodput.png)" in text
     assert (tmp_path / "goodput.png").stat().st_size > 0
     assert "goodput/" not in text.split("## Plots")[1]  # the search's own plots stay out
 
-    verdict = _script("compare_report").verdict("g", "req/s", ("a", "b"), (8.0, 0.0), True)
-    assert verdict == "g: **a** (8.00 vs 0.00 req/s, the other is 0)"  # goodput 0: no ratio
+    (tmp_path / "four" / "auto" / "goodput" / "search.json").unlink()  # some only: refused
+    assert _script("compare_report").main([*argv, "--out", str(tmp_path / "r2.md")]) == 2
 
-    (tmp_path / "disagg" / "goodput" / "search.json").unlink()  # one side only: refused
-    assert _script("compare_report").main([*argv, "--out", str(out)]) == 2
+
+def _goal(text: str) -> list[str]:
+    return [line for line in text.split("## Goal\n")[1].split("\n## ")[0].splitlines() if line]
+
+
+def test_report_goal_met_best_disagg_against_better_colocated(tmp_path: Path) -> None:
+    text = _report(_deployments(tmp_path / "four", FOUR), tmp_path / "report.md")
+    assert _goal(text)[1:] == [  # auto: of the two at 5 req/s, the lower ITL p99
+        "- goodput: auto 5 req/s / colo-2x1 2 req/s = 2.50x (>= 1.5x: met)",
+        "- decode ITL p99: auto 20.0 ms / colo-2x1 60.0 ms = 0.33x (<= 0.5x: met)",
+        "**Goal met** (auto against colo-2x1).",
+    ]
+
+
+def test_report_goal_not_met_on_either_ratio(tmp_path: Path) -> None:
+    close_itl = FOUR | {"colo-2x1": ("colocated", 0.030, 2.0)}  # 20 / 30 ms
+    text = _report(_deployments(tmp_path / "itl", close_itl), tmp_path / "itl.md")
+    assert "- goodput: auto 5 req/s / colo-2x1 2 req/s = 2.50x (>= 1.5x: met)" in text
+    assert "- decode ITL p99: auto 20.0 ms / colo-2x1 30.0 ms = 0.67x (<= 0.5x: not met)" in text
+    assert "**Goal not met** (auto against colo-2x1)." in text
+
+    low_goodput = FOUR | {"static": ("disagg", 0.021, 2.5), "auto": ("disagg", 0.020, 2.5)}
+    argv = _deployments(tmp_path / "goodput", low_goodput)
+    text = _report([*argv, "--goal-goodput-ratio", "1.2"], tmp_path / "goodput.md")
+    assert "- goodput: auto 2.5 req/s / colo-2x1 2 req/s = 1.25x (>= 1.2x: met)" in text
+    text = _report(argv, tmp_path / "goodput.md")
+    assert "- goodput: auto 2.5 req/s / colo-2x1 2 req/s = 1.25x (>= 1.5x: not met)" in text
+    assert "**Goal not met** (auto against colo-2x1)." in text
+
+
+def test_report_goal_not_judged_without_both_kinds(tmp_path: Path) -> None:
+    only = {k: v for k, v in FOUR.items() if k.startswith("colo")}
+    text = _report(_deployments(tmp_path / "colo", only), tmp_path / "report.md")
+    assert "**Goal not judged**: it needs a colocated and a disaggregated run." in text
+    assert "## Goodput (DistServe)" in text and len(_rows(text, "Goodput (DistServe)")) == 2
+
+
+def test_report_goal_judges_a_lower_bound_goodput_only_when_it_decides(tmp_path: Path) -> None:
+    colo_bound = FOUR | {"colo-2x1": ("colocated", 0.060, 100.0)}  # passes up to max rate 16
+    text = _report(_deployments(tmp_path / "colo", colo_bound), tmp_path / "colo.md")
+    assert (
+        "- goodput: auto 5 req/s / colo-2x1 16 req/s = 0.31x (>= 1.5x: not judged; colo-2x1: "
+        "a lower bound only (no search run failed))" in text
+    )
+    assert "(<= 0.5x: met)" in text and "**Goal not judged** (auto against colo-2x1)." in text
+
+    past = FOUR | {"auto": ("disagg", 0.020, 100.0)}  # >= 16 against 2: met all the same
+    text = _report(_deployments(tmp_path / "past", past), tmp_path / "past.md")
+    assert "- goodput: auto 16 req/s / colo-2x1 2 req/s = 8.00x (>= 1.5x: met)" in text
+    assert "**Goal met** (auto against colo-2x1)." in text
+
+    short = past | {"colo-2x1": ("colocated", 0.060, 12.0)}  # >= 16 against 12: undecided
+    goal = _goal(_report(_deployments(tmp_path / "short", short), tmp_path / "short.md"))
+    assert goal[1].endswith(
+        "(>= 1.5x: not judged; auto: a lower bound only (no search run failed))"
+    )
+    assert goal[-1] == "**Goal not judged** (auto against colo-2x1)."
+
+
+def _dry_run(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    script = str(SCRIPTS / "compare_disagg.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPARE_")} | env
+    return subprocess.run(
+        ["bash", script, "--dry-run", *argv], env=env, capture_output=True, text=True, timeout=30
+    )
+
+
+@pytest.mark.e2e
+def test_compare_disagg_composes_each_deployments_flags() -> None:
+    common = "--threads-per-node 1 --pin-cores"
+    lines = _dry_run(COMPARE_UP_ARGS="--kv-backend zmq").stdout.splitlines()
+    assert lines == [
+        "colocated-1x2 (colocated): `pdserve up --colocated --threads-per-node 2 --pin-cores"
+        " --kv-backend zmq`",
+        f"colocated-2x1 (colocated): `pdserve up --colocated 2 {common} --kv-backend zmq`",
+        f"1p1d-static (disagg): `pdserve up --prefill 1 --decode 1 {common} --disagg-mode always"
+        " --kv-backend zmq`",
+        f"1p1d-auto (disagg): `pdserve up --prefill 1 --decode 1 {common} --disagg-mode auto"
+        " --kv-backend zmq`",
+    ]
+    env = {"COMPARE_DEPLOYMENTS": "colocated-1x2", "COMPARE_AUTO_ARGS": "--kv-streaming on"}
+    picked = _dry_run("--deployments", "1p1d-auto,colocated-2x1", **env).stdout.splitlines()
+    assert picked == [  # --deployments wins, in its order; the extra flags for auto only
+        f"1p1d-auto (disagg): `pdserve up --prefill 1 --decode 1 {common} --disagg-mode auto"
+        " --kv-streaming on`",
+        f"colocated-2x1 (colocated): `pdserve up --colocated 2 {common}`",
+    ]
+    for bad in ("1p1d", "1p1d-auto,1p1d-auto", ""):
+        done = _dry_run("--deployments", bad)
+        assert done.returncode == 2 and "compare_disagg:" in done.stderr and not done.stdout
 
 
 def test_bench_engine_times_both_engines_on_every_row(tmp_path: Path, tiny_model_dir: Path) -> None:
