@@ -210,7 +210,8 @@ class DisaggBackend:
         queued work (for routing) until a poll's state shows them."""
         with self.registry.track(node, uncached):
             try:
-                result = await self.client.prefill(node.url, msg)
+                stamped = msg.model_copy(update={"epoch": node.epoch})  # stale: 409, retried
+                result = await self.client.prefill(node.url, stamped)
             except NodeUnreachable:
                 raise
             except BaseException as e:  # cancelled, timed out, failed: it may hold the request

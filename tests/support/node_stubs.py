@@ -83,6 +83,8 @@ class StubNode:
         self.accept_delay = 0.0  # decode: seconds before answering (full or accepted)
         self.step_time_max_s: float | None = None  # reported in /state
         self.prefill_tokens_per_s: float | None = None  # reported in /state
+        self.epoch = 0  # role changes (reported in /state, with role_state)
+        self.role_state = "serving"
         # hang(): like SIGSTOP, connections are accepted but nothing answers or streams
         self._running = asyncio.Event()
         self._running.set()
@@ -164,6 +166,9 @@ class StubNode:
                 "queued_prefill_tokens": self.queued_prefill_tokens,
                 "step_time_max_s": self.step_time_max_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "epoch": self.epoch,
+                "role_state": self.role_state,
+                "switchable": self.role != "both",
             }
         )
 
