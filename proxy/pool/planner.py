@@ -171,3 +171,5 @@ class AutoRoles:
         except MoveRefused as e:
             log.warning("planner: moving %s to %s refused: %s", node.url, decision.target.value,
                         e.message)  # fmt: skip
+        except Exception:  # a bug must not stop the planner: the next decision may work
+            log.exception("planner: moving %s to %s", node.url, decision.target.value)

@@ -174,6 +174,10 @@ class StubNode:
 
     async def prefill(self, request: web.Request) -> web.Response:
         msg = await self._read(request, PrefillRequest)
+        if msg.epoch is not None and msg.epoch != self.epoch:  # as a node that changed role
+            error = {"message": "stale epoch", "type": "invalid_request_error"}
+            return web.json_response({"error": {**error, "param": None, "code": "stale_epoch"}},
+                                     status=409)  # fmt: skip
         if self.refuse_prefill:
             error = {"message": "prompt too long", "type": "invalid_request_error"}
             return web.json_response({"error": {**error, "param": None, "code": None}}, status=400)
