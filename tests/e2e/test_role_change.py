@@ -9,6 +9,7 @@ import json
 import time
 import urllib.error
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +30,25 @@ from tests.support.http import http_json
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+@dataclass
+class Pools:
+    cluster: Cluster
+    proxy: Server
+    prefill: Server
+    decode: list[Server]
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
-    """1P2D: decode steps take 0.03 s, so streams are still running when a node moves."""
-    c = Cluster(tiny_model_dir)
+def pools(slow_2p2d: Cluster) -> Iterator[Pools]:
+    """1P2D of the shared slow nodes (tests/e2e/conftest.py: decode steps take 0.03 s, so
+    streams are still running when a node moves) behind this module's proxy."""
+    prefill = next(n for n in slow_2p2d.nodes() if n.name == "prefill-0")
+    decode = [n for n in slow_2p2d.nodes() if n.name.startswith("decode")]
+    proxy = slow_2p2d.start_proxy([prefill], decode, poll_interval_s=0.2)
     try:
-        c.node("prefill", "prefill-0", wait=False, debug_step_delay=0.02)
-        for i in range(2):
-            c.node("decode", f"decode-{i}", wait=False, debug_step_delay=0.03, max_num_seqs=4)
-        c.wait_all()
-        nodes = c.nodes()
-        c.start_proxy(nodes[:1], nodes[1:], poll_interval_s=0.2)
-        yield c
+        yield Pools(slow_2p2d, proxy, prefill, decode)
     finally:
-        c.close()
+        proxy.stop()
 
 
 async def _move(session: aiohttp.ClientSession, proxy: Server, body: dict[str, Any]) -> Any:
@@ -62,11 +68,9 @@ def _bodies(tokenizer: Tokenizer, n: int, at: int) -> list[dict[str, Any]]:
 
 
 def test_a_node_moves_both_ways_under_load_losing_nothing(
-    cluster: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
+    pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
-    proxy = cluster.proxy
-    assert proxy is not None
-    prefill, decode0, decode1 = cluster.nodes()
+    proxy, decode1 = pools.proxy, pools.decode[1]
     bodies = _bodies(tokenizer, 10, 0)
 
     async def scenario(session: aiohttp.ClientSession) -> None:
@@ -105,13 +109,13 @@ def test_a_node_moves_both_ways_under_load_losing_nothing(
         assert changes == 2
 
     _run(scenario)
-    cluster.wait_baseline(10.0)
+    pools.cluster.wait_baseline(10.0)
     state = decode1.state()
     assert (state["role"], state["epoch"], state["role_state"]) == ("decode", 2, "serving")
 
 
-def test_work_for_another_role_or_epoch_is_refused_with_409(cluster: Cluster) -> None:
-    decode1 = cluster.nodes()[2]
+def test_work_for_another_role_or_epoch_is_refused_with_409(pools: Pools) -> None:
+    decode1, prefill = pools.decode[1], pools.prefill
     epoch = decode1.state()["epoch"]
     sampling = SamplingParams(temperature=0.0, max_tokens=2)
     stale = PrefillRequest(
@@ -119,7 +123,7 @@ def test_work_for_another_role_or_epoch_is_refused_with_409(cluster: Cluster) ->
     )
     for url, body, code in (
         (f"{decode1.url}/internal/prefill", json.loads(to_json(stale)), "wrong_role"),
-        (f"{cluster.nodes()[0].url}/internal/prefill", json.loads(to_json(stale)), "stale_epoch"),
+        (f"{prefill.url}/internal/prefill", json.loads(to_json(stale)), "stale_epoch"),
     ):
         if code == "stale_epoch":
             body["epoch"] = 7  # the prefill node is at epoch 0
@@ -129,14 +133,14 @@ def test_work_for_another_role_or_epoch_is_refused_with_409(cluster: Cluster) ->
         assert json.loads(err.value.read())["error"]["code"] == code
     # The last node of a pool stays; a decode node cannot move to `both`.
     for body, code in (
-        ({"url": cluster.nodes()[0].url, "role": "decode"}, "last_node"),
+        ({"url": prefill.url, "role": "decode"}, "last_node"),
         ({"url": decode1.url, "role": "both"}, "fixed_role"),
     ):
         with pytest.raises(urllib.error.HTTPError) as err:
-            http_json(f"{cluster.proxy.url}/admin/nodes/role", body)  # type: ignore[union-attr]
+            http_json(f"{pools.proxy.url}/admin/nodes/role", body)
         assert err.value.code == 409
         assert json.loads(err.value.read())["error"]["code"] == code
-    cluster.wait_baseline(10.0)
+    pools.cluster.wait_baseline(10.0)
 
 
 def test_auto_roles_moves_a_decode_node_when_prompts_get_long(
@@ -145,7 +149,7 @@ def test_auto_roles_moves_a_decode_node_when_prompts_get_long(
     args = ["--prefill", "1", "--decode", "2", "--auto-roles", "--auto-roles-window-s", "1"]
     args += ["--auto-roles-sample-s", "0.2", "--auto-roles-margin-s", "0.05"]
     args += ["--prefill-node-args=--debug-step-delay 0.2 --max-num-batched-tokens 512"]
-    bodies = [_body(_prompt(tokenizer, 300 + 5 * i, 40 * i), 4) for i in range(24)]
+    bodies = [_body(_prompt(tokenizer, 300 + 5 * i, 40 * i), 4) for i in range(16)]
     with Service(tiny_model_dir, *args) as svc:
 
         async def scenario(session: aiohttp.ClientSession) -> None:
