@@ -14,10 +14,9 @@ finishes what it has. All nodes of one proxy must serve the same model: the firs
 `/state` is read sets the pool's `model_fingerprint`, and a node with another one is REFUSED
 (at `register`, with an error; when found by the poller, it is kept out of rotation).
 
-Roles change at run time (proxy/pool/roles.py moves a node; another proxy may move it too):
-a node reports its `role`, `epoch` and `role_state`. While it drains for a change (or this
-proxy is moving it) it is DRAINING, with no new work; a prefill or decode node found serving
-the other of the two roles at a new epoch (or as a new incarnation) moves to that pool.
+Roles change at run time (proxy/pool/roles.py, or another proxy): a node draining for a
+change (or being moved by this proxy) is DRAINING, with no new work; a prefill or decode node
+found serving the other role at a new epoch or incarnation moves to that pool.
 
 Routing reads the last `/state` plus what this proxy sent since that poll began (which the
 state cannot show yet), and each node's prefix cache as its KV events tell it (`index`): the
@@ -315,8 +314,7 @@ class NodeRegistry:
         return None
 
     def _changed_role(self, role: Role, state: NodeState, known: NodeState | None) -> bool:
-        """`state` is a prefill or decode node's other role, reached by a role change: at an
-        epoch past the first, or as another epoch or incarnation than the last one read."""
+        """`state` is the other of prefill/decode, at a new epoch or incarnation (or past 0)."""
         try:
             reported = Role(state.role)
         except ValueError:
@@ -346,8 +344,7 @@ class NodeRegistry:
     # -- role changes (proxy/pool/roles.py) --------------------------------------------------
 
     def begin_move(self, node: Node, role: Role) -> None:
-        """This proxy starts moving `node` to `role`: no new work until `end_move`."""
-        node.moving_to = role
+        node.moving_to = role  # no new work until `end_move`
         if node.status is not NodeStatus.DRAINING:
             self._set(node, NodeStatus.DRAINING, f"moving to {role.value}")
 
