@@ -71,7 +71,7 @@ def test_a_node_moves_both_ways_under_load_losing_nothing(
     pools: Pools, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
     proxy, decode1 = pools.proxy, pools.decode[1]
-    bodies = _bodies(tokenizer, 10, 0)
+    bodies = _bodies(tokenizer, 12, 0)
 
     async def scenario(session: aiohttp.ClientSession) -> None:
         # decode-1 -> prefill with no drain time: its running streams are moved on at once
@@ -91,8 +91,15 @@ def test_a_node_moves_both_ways_under_load_losing_nothing(
         assert moved["evicted"] >= 1
         row = await _row(session, proxy, decode1.url)
         assert (row["role"], row["status"], row["epoch"]) == ("prefill", "up", 1)
-        # ... and back to decode with time to drain: the KV it holds is sent, not dropped.
+        # ... and back to decode once it prefills, with time to drain: what it computes and
+        # holds is sent to decode-0, not dropped.
         reqs += [Request(session, proxy.url, b) for b in bodies[8:]]
+
+        async def prefilling() -> bool:
+            reqs = (await get_json(session, f"{decode1.url}/state"))["requests"]
+            return any(reqs[k] for k in ("waiting", "running", "held", "transferring"))
+
+        await until(prefilling, 30.0, "decode-1 prefilling as a prefill node")
         back = await _move(session, proxy, {"url": decode1.url, "role": "decode"})
         assert (back["role"], back["epoch"]) == ("decode", 2)
         for body, req in zip(bodies, reqs, strict=True):
