@@ -52,7 +52,7 @@ from common.wire.node_messages import (
     to_json,
 )
 from proxy.http.backend import BackendError, NodeLost, TokenChunk
-from proxy.http.errors import SERVER_ERROR
+from proxy.http.errors import INVALID_REQUEST, SERVER_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ MAX_LINE_BYTES = 1 << 20  # a token stream's longest line
 KV_ERROR_CODES = frozenset({"kv_failed", "kv_timeout", "kv_handshake"})
 ROLE_CHANGE_CODE = "role_change"  # a stream the node ended to change role: continue it
 MOVED_CODES = frozenset({"stale_epoch", "wrong_role"})  # 409: the node did not take it
+# POST /internal/role refusals, passed on as the node gave them (status and code)
+ROLE_REFUSALS = frozenset({"fixed_role", "same_role", "role_change_in_progress"})
 R = TypeVar("R", bound=Message)
 T = TypeVar("T")
 
@@ -530,6 +532,9 @@ def _status_error(
     status = resp.status
     if status == 503 and code == "decode_full":
         return DecodeFull(url, message)
+    if (status, code) == (503, "role_change_failed") or (status == 409 and code in ROLE_REFUSALS):
+        error_type = SERVER_ERROR if status >= 500 else INVALID_REQUEST
+        return BackendError(status, f"node {url}: {message}", type=error_type, code=code)
     if status in (429, 503) and code == "overloaded":
         retry = _retry_after(resp.headers.get("Retry-After"))
         return BackendError.overloaded(f"node {url} is overloaded: {message}", retry)
