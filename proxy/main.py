@@ -4,7 +4,8 @@
     pdserve proxy --port 8000 --colocated http://h1:9003          # the colocated baseline
 
 Routes: the OpenAI API of `proxy.http.server`, `GET /metrics` (this proxy's registry: requests,
-TTFT, ITL, E2E, inter-stage queue), `GET|POST|DELETE /admin/nodes` (`proxy.pool.admin`). The
+TTFT, ITL, E2E, inter-stage queue), `GET|POST|DELETE /admin/nodes` and `POST
+/admin/nodes/role` (`proxy.pool.admin`; `--auto-roles`: `proxy.pool.planner`). The
 tokenizer, chat template and context length come from `--model` (default: the built-in
 model). SIGINT/SIGTERM stop admission, let in-flight requests finish for
 `--shutdown-timeout-s`, cancel the rest on their nodes, and exit 0.
@@ -38,7 +39,9 @@ from proxy.pool.interstage import InterStageConfig, InterStageQueue
 from proxy.pool.kv_index import KVIndex
 from proxy.pool.node_state import Role
 from proxy.pool.placement import DisaggMode, PlacementConfig, PlacementMetrics
+from proxy.pool.planner import AutoRoles
 from proxy.pool.registry import NodeRegistry, RegistryConfig
+from proxy.pool.roles import RoleMetrics, RoleMover
 from proxy.pool.router import Policy, Router, RoutingMetrics
 from proxy.settings import ProxySettings
 from proxy.trace import MultiHooks, TraceHooks, TraceStore
@@ -56,6 +59,7 @@ class ProxyParts:
     queue: InterStageQueue | None
     metrics: CollectorRegistry
     model_name: str
+    planner: AutoRoles | None = None  # --auto-roles
 
 
 def build_proxy(settings: ProxySettings) -> ProxyParts:
@@ -109,9 +113,15 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
     )
     app.router.add_get("/metrics", metrics_handler(metrics))
     traces.add_route(app)
-    AdminRoutes(registry).add_to(app)
-    app.cleanup_ctx.append(_lifecycle(registry, client, queue, registry.index))
-    return ProxyParts(app, registry, client, queue, metrics, settings.model_name())
+    mover = None
+    planner = None
+    if queue is not None:
+        mover = RoleMover(registry, client, RoleMetrics(metrics), settings.role_drain_timeout_s)
+        if settings.auto_roles:
+            planner = AutoRoles(registry, mover, queue.oldest_wait_s, settings.planner)
+    AdminRoutes(registry, mover).add_to(app)
+    app.cleanup_ctx.append(_lifecycle(registry, client, queue, registry.index, planner))
+    return ProxyParts(app, registry, client, queue, metrics, settings.model_name(), planner)
 
 
 def _backend(
@@ -154,7 +164,11 @@ def _health_check(registry: NodeRegistry, roles: set[Role]) -> HealthCheck:
 
 
 def _lifecycle(
-    registry: NodeRegistry, client: NodeClient, queue: InterStageQueue | None, index: KVIndex
+    registry: NodeRegistry,
+    client: NodeClient,
+    queue: InterStageQueue | None,
+    index: KVIndex,
+    planner: AutoRoles | None,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         await client.start()
@@ -162,9 +176,13 @@ def _lifecycle(
         await registry.start()
         if queue is not None:
             await queue.start()
+        if planner is not None:
+            await planner.start()
         try:
             yield
         finally:
+            if planner is not None:
+                await planner.stop()
             if queue is not None:
                 await queue.stop()
             await registry.stop()

@@ -10,6 +10,7 @@ from common.wire.auth import CLUSTER_TOKEN_ENV, is_loopback
 from proxy.pool.client import NodeTimeouts
 from proxy.pool.node_state import Role
 from proxy.pool.placement import DISAGG_MODES
+from proxy.pool.planner import PlannerConfig
 from proxy.pool.router import POLICIES
 
 Mode = Literal["disagg", "colocated"]
@@ -48,6 +49,9 @@ class ProxySettings:
     cluster_token: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
     insecure: bool = False  # allow a non-loopback host without a cluster token
+    role_drain_timeout_s: float = 30.0  # a moved node's old role may run this long, then moves
+    auto_roles: bool = False  # run the role planner (proxy/pool/planner.py)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         if self.cluster_token is None and not self.insecure and not is_loopback(self.host):
@@ -78,6 +82,10 @@ class ProxySettings:
             )
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
+        if not 0 <= self.role_drain_timeout_s <= 3600:
+            raise ValueError("role_drain_timeout_s must be in [0, 3600]")
+        if self.auto_roles and self.colocated_mode:
+            raise ValueError("--auto-roles moves prefill and decode nodes: not with colocated")
 
     @property
     def colocated_mode(self) -> bool:

@@ -12,7 +12,8 @@ import sys
 from common.cli.engine_args import engine_config
 from common.cli.logs import setup_logging
 from common.cli.startup import freeze_startup_objects
-from common.node.server import NodeConfig, NodeRuntime, NodeServer
+from common.node.host import NodeHost, RoleFactory
+from common.node.server import NodeConfig, NodeRole, NodeRuntime, NodeServer
 from common.node.transfer import start_agent
 from common.wire.auth import CLUSTER_TOKEN_ENV, read_secret
 from decode_node.colocated import ColocatedNode
@@ -21,20 +22,38 @@ from kv_transfer.config import TransferConfig
 from prefill_node.server import PrefillNode
 
 
-async def create_node(config: NodeConfig) -> NodeServer:
-    """The role's server for `config.role`, over a complete runtime (model loaded, engine
-    thread started, and for prefill and decode the KV-transfer agent registered)."""
+async def create_node(config: NodeConfig) -> NodeHost:
+    """The node for `config.role`, over a complete runtime (model loaded, engine thread
+    started, and for prefill and decode the KV-transfer agent registered). A prefill or
+    decode node can change between the two at run time (POST /internal/role): both roles
+    are built here, over the same runtime and agent."""
     runtime = await NodeRuntime.start(config)
     try:
-        if config.role == "both":
-            return ColocatedNode(config, runtime)
-        agent = await start_agent(config, runtime)
+        return NodeHost(config, runtime, await _role_factory(config, runtime))
     except BaseException:
         await runtime.front.stop()
         raise
-    if config.role == "prefill":
-        return PrefillNode(config, runtime, agent)
-    return DecodeNode(config, runtime, agent)
+
+
+async def _role_factory(config: NodeConfig, runtime: NodeRuntime) -> RoleFactory:
+    if config.role == "both":
+
+        def colocated(role: NodeRole) -> NodeServer:
+            assert role == "both", role  # the host refuses to change a `both` node
+            return ColocatedNode(config, runtime)
+
+        return colocated
+    agent = await start_agent(config, runtime)
+
+    def transfer_role(role: NodeRole) -> NodeServer:
+        match role:
+            case "prefill":
+                return PrefillNode(config, runtime, agent)
+            case "decode":
+                return DecodeNode(config, runtime, agent)
+        raise ValueError(f"a KV-transfer node serves prefill or decode, not {role!r}")
+
+    return transfer_role
 
 
 def node_config(args: argparse.Namespace) -> NodeConfig:
@@ -55,6 +74,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         kv_wait_timeout_s=args.kv_wait_timeout,
         sending_timeout_s=args.sending_timeout,
         drain_timeout_s=args.drain_timeout,
+        role_drain_timeout_s=args.role_drain_timeout,
         cluster_token=token,
         insecure=args.insecure,
         debug_step_delay_s=args.debug_step_delay,

@@ -28,6 +28,13 @@ def add_node_args(p: argparse.ArgumentParser, role: NodeRole | None) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument(
+        "--role-drain-timeout",
+        type=float,
+        default=30.0,
+        help="a role change (POST /internal/role) lets the old role's work run this long, "
+        "then moves what is left (decode streams migrate, held KV is freed)",
+    )
+    p.add_argument(
         "--cluster-token-file",
         default=None,
         help="file holding the secret shared with the proxy (else $PDSERVE_CLUSTER_TOKEN); "

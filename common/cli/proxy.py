@@ -7,7 +7,7 @@ import asyncio
 
 from common.cli.logs import setup_logging
 from common.cli.models import model_dir
-from common.cli.proxy_args import split_urls
+from common.cli.proxy_args import planner_config, split_urls
 from common.wire.auth import API_KEY_ENV, CLUSTER_TOKEN_ENV, read_secret
 from proxy.main import serve
 from proxy.pool.client import NodeTimeouts
@@ -59,4 +59,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         cluster_token=read_secret(args.cluster_token_file, CLUSTER_TOKEN_ENV),
         api_key=args.api_key or read_secret(None, API_KEY_ENV),
         insecure=args.insecure,
+        role_drain_timeout_s=args.role_drain_timeout_s,
+        auto_roles=args.auto_roles,
+        planner=planner_config(args),
     )

@@ -7,6 +7,7 @@ import argparse
 from common.cli.lazy import lazy
 from proxy.pool.client import NodeTimeouts
 from proxy.pool.placement import DISAGG_MODES, PlacementConfig
+from proxy.pool.planner import PlannerConfig
 from proxy.pool.router import POLICIES
 
 
@@ -41,6 +42,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     )
     add_routing_arg(q)
     add_liveness_args(q)
+    add_role_args(p.add_argument_group("roles (moving nodes between the pools)"))
     p.add_argument("--trace-capacity", type=int, default=2048, help="recent request traces kept")
     q.add_argument("--interstage-max-wait-s", type=float, default=300.0)
     q.add_argument("--poll-interval-s", type=float, default=0.5, help="node health/state poll")
@@ -158,6 +160,57 @@ def add_liveness_args(g: argparse._ActionsContainer) -> None:
         default=None,
         help="a node with no good health/state poll for this long gets no new work while "
         "another answers (default: max(2, 4 poll intervals))",
+    )
+
+
+def add_role_args(g: argparse._ActionsContainer) -> None:
+    """Moving nodes between the pools (POST /admin/nodes/role, --auto-roles; proxy and up)."""
+    g.add_argument(
+        "--role-drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="a node being moved to the other pool finishes its work this long, then its "
+        "streams migrate and its held KV is freed: %(default)s",
+    )
+    g.add_argument(
+        "--auto-roles",
+        action="store_true",
+        help="move one node at a time from the pool with slack to the pool whose queue wait "
+        "stays longer (at least one node stays in each pool)",
+    )
+    d = PlannerConfig()
+    g.add_argument(
+        "--auto-roles-window-s",
+        type=float,
+        default=d.window_s,
+        help="a pool's wait must be the longer one for this long before a move: %(default)s",
+    )
+    g.add_argument(
+        "--auto-roles-interval-s",
+        type=float,
+        default=d.interval_s,
+        help="at most one move per this many seconds: %(default)s",
+    )
+    g.add_argument(
+        "--auto-roles-margin-s",
+        type=float,
+        default=d.margin_s,
+        help="by how much one pool's queue wait must exceed the other's: %(default)s",
+    )
+    g.add_argument(
+        "--auto-roles-sample-s",
+        type=float,
+        default=d.sample_s,
+        help="seconds between the planner's samples of the queue waits: %(default)s",
+    )
+
+
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
+    return PlannerConfig(
+        window_s=args.auto_roles_window_s,
+        interval_s=args.auto_roles_interval_s,
+        margin_s=args.auto_roles_margin_s,
+        sample_s=args.auto_roles_sample_s,
     )
 
 

@@ -45,11 +45,13 @@ import aiohttp
 
 from common.cli.logs import setup_logging
 from common.cli.models import model_dir
+from common.cli.proxy_args import planner_config
 from common.cli.startup import freeze_startup_objects
 from common.cli.up_args import engine_flags
 from common.wire.auth import API_KEY_ENV, CLUSTER_TOKEN_ENV, bearer, read_secret
 from proxy.main import RunningProxy, start_proxy
 from proxy.pool.client import NodeTimeouts
+from proxy.pool.planner import PlannerConfig
 from proxy.settings import ProxySettings
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,9 @@ class UpConfig:
     local_prefill_max_tokens: int = 256
     stall_timeout_s: float = NodeTimeouts.stall_s
     silent_after_s: float | None = None
+    role_drain_timeout_s: float = 30.0  # a node moved to the other pool drains this long
+    auto_roles: bool = False  # the proxy's role planner moves nodes between the pools
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     demo_prompt: str | None = None  # stream one chat completion through the proxy at start
     max_restarts: int = 5  # per node; a node that exits is restarted after a backoff
     # The secret shared by the proxy and the nodes; None: a new one for this run, written to
@@ -365,6 +370,9 @@ async def start_service(
         local_prefill_max_tokens=cfg.local_prefill_max_tokens,
         silent_after_s=cfg.silent_after_s,
         timeouts=NodeTimeouts(stall_s=cfg.stall_timeout_s),
+        role_drain_timeout_s=cfg.role_drain_timeout_s,
+        auto_roles=cfg.auto_roles,
+        planner=cfg.planner,
         cluster_token=cluster_token,
         api_key=cfg.api_key,
     )
@@ -527,5 +535,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         stall_timeout_s=args.stall_timeout_s,
         silent_after_s=args.silent_after_s,
+        role_drain_timeout_s=args.role_drain_timeout_s,
+        auto_roles=args.auto_roles,
+        planner=planner_config(args),
     )
     return asyncio.run(up(cfg))

@@ -6,7 +6,12 @@ import argparse
 
 from common.cli.engine_args import add_engine_args
 from common.cli.lazy import lazy
-from common.cli.proxy_args import add_admission_args, add_liveness_args, add_routing_arg
+from common.cli.proxy_args import (
+    add_admission_args,
+    add_liveness_args,
+    add_role_args,
+    add_routing_arg,
+)
 
 
 def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -57,6 +62,7 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     add_admission_args(p)
     add_routing_arg(p)
     add_liveness_args(p)
+    add_role_args(p.add_argument_group("roles (moving nodes between the pools)"))
     p.add_argument(
         "--demo",
         metavar="PROMPT",

@@ -13,13 +13,14 @@ from common.wire.stage import NODE_STAGES
 
 
 class _StateCollector(Collector):
-    """Gauges read from the node's /state at scrape time."""
+    """Gauges read from the node's /state at scrape time (once the host bound it)."""
 
-    def __init__(self, role: str, state: Callable[[], dict[str, object]]) -> None:
-        self.role = role
-        self.state = state
+    def __init__(self) -> None:
+        self.state: Callable[[], dict[str, object]] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        if self.state is None:
+            return
         st = self.state()
         blocks = st.get("blocks")
         reqs = st.get("requests")
@@ -38,8 +39,13 @@ class _StateCollector(Collector):
         d = GaugeMetricFamily(
             "pdserve_queue_depth", "Requests waiting in a queue", labels=["queue"]
         )
-        d.add_metric(["prefill" if self.role == "prefill" else "decode"], reqs["waiting"])
+        d.add_metric(["prefill" if st.get("role") == "prefill" else "decode"], reqs["waiting"])
         yield d
+        epoch = st.get("epoch")
+        if isinstance(epoch, int):
+            yield GaugeMetricFamily(
+                "pdserve_node_epoch", "Role changes this node went through", value=epoch
+            )
         violations = st.get("integrity_violations")
         if isinstance(violations, int):
             yield CounterMetricFamily(
@@ -56,11 +62,12 @@ STEP_PHASES = ("admit", "schedule", "forward", "sample", "output", "total")
 
 
 class NodeMetrics:
-    def __init__(
-        self, registry: CollectorRegistry, role: str, state: Callable[[], dict[str, object]]
-    ) -> None:
+    """One registry per node process: it outlives role changes (common/node/host.py)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        registry.register(_StateCollector(role, state))
+        self._state = _StateCollector()
+        registry.register(self._state)
         self.requests = Counter(
             "pdserve_node_requests_total", "Requests by outcome", ["outcome"], registry=registry
         )
@@ -143,12 +150,29 @@ class NodeMetrics:
             registry=registry,
         )
         self.transfer_refusals.labels(reason="bad_key")
+        self.role_changes = Counter(
+            "pdserve_node_role_changes_total",
+            "Role changes by the role moved to and outcome (done; failed: back in the old role)",
+            ["role", "outcome"],
+            registry=registry,
+        )
+        self.role_evictions = Counter(
+            "pdserve_node_role_evictions_total",
+            "Requests ended by a role change's drain timeout (decode: migrated by the proxy; "
+            "prefill: held KV released)",
+            registry=registry,
+        )
         # Every label a family can take, at zero, so each family is there from the start.
         for stage in [s.value for s in NODE_STAGES]:
             self.cancellations.labels(stage=stage)
         for reason in ("peer_lost", "backend_error", "aborted_by_peer", "closed"):
             self.transfer_failures.labels(reason=reason)
-        self.queue_wait.labels("prefill" if role == "prefill" else "decode")
+        for queue in ("prefill", "decode"):
+            self.queue_wait.labels(queue)
+
+    def read_state_from(self, state: Callable[[], dict[str, object]]) -> None:
+        """The gauges read `state()` (the node's /state) at each scrape."""
+        self._state.state = state
 
     def observe_step(self, t: StepTiming) -> None:
         """One engine step's phases (called on the engine thread; the histograms lock)."""

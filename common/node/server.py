@@ -1,10 +1,11 @@
-"""What every node server shares: engine thread, /health, /state, /metrics, cancel,
-NDJSON token streams, start-up and graceful shutdown.
+"""What every node role shares: the runtime it serves with (engine thread, metrics,
+fail-fast flag), cancel, the epoch check, NDJSON token streams and draining.
 
 NodeRole classes (prefill_node.server.PrefillNode, decode_node.server.DecodeNode,
-decode_node.colocated.ColocatedNode) add their internal routes; `create_node`
-picks one for a role. The engine runs on its own thread (common.engine.loop), so
-the event loop only parses, routes and streams.
+decode_node.colocated.ColocatedNode) add their internal routes; the node's host
+(common/node/host.py) serves the current one, built by the factory `create_node` gives it.
+The engine runs on its own thread (common.engine.loop), so the event loop only parses,
+routes and streams.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine, RequestError
 from common.engine.loop import AsyncEngine
 from common.engine.scheduler import StepOutput
-from common.node.kv_events import KVEventPublisher
+from common.engine.sequence import FinishReason
 from common.node.metrics import NodeMetrics
-from common.wire.auth import CLUSTER_TOKEN_ENV, auth_middleware, is_loopback
+from common.wire.auth import CLUSTER_TOKEN_ENV, is_loopback
 from common.wire.errors import SERVER_ERROR, ApiError, error_response, invalid_request
 from common.wire.fingerprint import Fingerprint
 from common.wire.messages import Cancel, Message, MessageError
@@ -36,12 +36,12 @@ from common.wire.node_messages import (
     CancelResult,
     GenerateRequest,
     NodeEvent,
+    RoleWork,
     T,
     TokenDelta,
     from_json,
     to_json,
 )
-from common.wire.prefix import event_key
 from common.wire.stage import Stage
 from kv_transfer.config import TransferConfig
 
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 NodeRole = Literal["prefill", "decode", "both"]
 MAX_BODY_BYTES = 8 * 2**20
+ROLE_CHANGE_CODE = "role_change"  # a stream a role change ended: the proxy continues it
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class NodeConfig:
     # (its blocks are freed once the layer says it is quiescent, never before)
     sending_timeout_s: float = 60.0
     drain_timeout_s: float = 30.0  # SIGTERM: time to finish in-flight work
+    # A role change drains the old role at most this long (unless the call gives its own),
+    # then ends what is left: decode streams move (the proxy migrates them), held KV is freed.
+    role_drain_timeout_s: float = 30.0
     # Fault injection for tests and drills: sleep after each engine step, and (prefill)
     # before posting each KV write, so a request can be caught in a given stage.
     debug_step_delay_s: float = 0.0
@@ -84,134 +88,132 @@ class NodeConfig:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.kv_wait_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("kv_wait_timeout_s must be > 0 and drain_timeout_s >= 0")
+        if self.role_drain_timeout_s < 0:
+            raise ValueError("role_drain_timeout_s must be >= 0")
         if self.sending_timeout_s <= 0:
             raise ValueError("sending_timeout_s must be > 0")
         if self.debug_step_delay_s < 0 or self.debug_transfer_delay_s < 0:
             raise ValueError("debug delays must be >= 0")
 
 
+class Failure:
+    """Set once a thread the node cannot serve without died (the engine's, the KV-transfer
+    agent's): /health answers 503 from then on and `serve` exits non-zero (fail fast)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """Unhealthy at once, and `serve` stops the node (first reason kept)."""
+        if self.event.is_set():
+            return
+        self.reason = reason
+        log.critical("node failed: %s", reason)
+        self.event.set()
+
+
 @dataclass(frozen=True)
 class NodeRuntime:
-    """What a node serves with, complete before the node exists: the engine, the front that
-    runs it on its own thread, and the KV compatibility fingerprint."""
+    """What a node serves with, complete before any role exists and kept across role changes:
+    the engine, the front that runs it on its own thread, the KV compatibility fingerprint,
+    the metrics registry and the fail-fast flag."""
 
     engine_id: str  # this incarnation's name: role-<random> unless configured
     engine: LLMEngine
     front: AsyncEngine
     fingerprint: Fingerprint
+    metrics: NodeMetrics
+    failure: Failure
 
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeRuntime:
         """Load the model (off the event loop) and start the engine thread."""
         engine = await asyncio.to_thread(LLMEngine, config.engine)
         fingerprint = Fingerprint.for_kv_cache(engine.kv_cache, engine.weights_hash)
+        metrics = NodeMetrics(CollectorRegistry())
+        engine.on_step = metrics.observe_step
         front = AsyncEngine(
             engine, asyncio.get_running_loop(), step_delay_s=config.debug_step_delay_s
         )
         await front.start()
         engine_id = config.engine_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
-        return cls(engine_id, engine, front, fingerprint)
+        return cls(engine_id, engine, front, fingerprint, metrics, Failure())
 
 
 class NodeServer:
-    """Base of the role servers. Subclasses set `role` and extend `routes`."""
+    """One role over a node's runtime; subclasses set `role` and extend `routes`.
+
+    The host (common/node/host.py) owns the listener, /health, /state, /metrics and the
+    runtime, and routes each request to the current role; a role change retires this
+    object (its tasks end, the runtime and the KV-transfer agent stay) and starts another.
+    """
 
     role: ClassVar[NodeRole]
 
     def __init__(self, config: NodeConfig, runtime: NodeRuntime) -> None:
         self.config = config
+        self.runtime = runtime
         self.engine_id = runtime.engine_id
         self.engine = runtime.engine
         self.front = runtime.front
         self.fingerprint = runtime.fingerprint
-        self.metrics = NodeMetrics(CollectorRegistry(), self.role, self.state)
-        self.engine.on_step = self.metrics.observe_step
-        self.draining = False
-        self.url = ""
-        self._runner: web.AppRunner | None = None  # set while serving HTTP
+        self.metrics = runtime.metrics
+        self.failed = runtime.failure.event
+        self.draining = False  # no new work: the node stops, or changes role
+        self.epoch = 0  # set by the host: the role change this role object serves
+        # Requests a role change's drain ended: their streams end with error_code
+        # "role_change", so that the proxy continues them elsewhere.
+        self.evicted: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        # Set once a thread the node cannot serve without died (the engine's, the KV-transfer
-        # agent's): /health answers 503 from then on and `serve` exits non-zero (fail fast).
-        self.failed = asyncio.Event()
-        self.failure: str | None = None
-        self.kv_events: KVEventPublisher | None = None  # set by start()
 
     # -- lifecycle ---------------------------------------------------------------
 
-    async def start(self) -> str:
-        """Start the role's background tasks, then serve HTTP; the URL served."""
-        self.spawn(self._watch_engine(), "engine-watch")
-        events = self.engine.allocator.record_events()
-        self.kv_events = KVEventPublisher(
-            self.engine_id, events, self.config.host, self.config.cluster_token
-        )
-        self.spawn(self.kv_events.run(), "kv-events")
+    def start(self) -> None:
+        """Start the role's background tasks."""
         self.start_role()
-        if self.config.cluster_token is None and not is_loopback(self.config.host):
-            log.warning(
-                "listening on %s with no cluster token (--insecure): anyone who reaches this "
-                "port can drive the node", self.config.host,
-            )  # fmt: skip
-        middlewares: list[Middleware] = [_errors_middleware]
-        if self.config.cluster_token is not None:
-            middlewares.append(auth_middleware(self.config.cluster_token))
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
-        app.add_routes(self.routes())
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://{self.config.host}:{port}"
-        return self.url
 
     def start_role(self) -> None:
         """NodeRole background tasks (`spawn`). Default: none."""
 
+    @property
+    def failure(self) -> str | None:
+        return self.runtime.failure.reason
+
     def fail(self, reason: str) -> None:
         """A fatal fault: unhealthy at once, and `serve` stops the node (first reason kept)."""
-        if self.failed.is_set():
-            return
-        self.failure = reason
-        log.critical("node failed: %s", reason)
-        self.failed.set()
+        self.runtime.failure.fail(reason)
 
-    async def _watch_engine(self) -> None:
-        await self.front.died.wait()
-        self.fail(f"the engine thread died: {self.front.error!r}")
-
-    async def drain(self) -> None:
-        """Stop admitting; wait (bounded) until in-flight work is done."""
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting; wait up to `timeout_s` until in-flight work is done. True if so."""
         self.draining = True
-        deadline = time.monotonic() + self.config.drain_timeout_s
+        deadline = time.monotonic() + timeout_s
         while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        return not self.busy()
 
     def busy(self) -> bool:
         reqs = self.engine.state()["requests"]
         assert isinstance(reqs, dict)
         return self.engine.has_work() or bool(reqs["held"] or reqs["reserved"])
 
-    async def stop(self) -> None:
-        """Cancel what is left, free every block, close everything. Idempotent."""
+    async def retire(self) -> None:
+        """End the role's tasks; the runtime (and a KV-transfer agent) stay. Idempotent."""
         self.draining = True
-        if self._runner is not None:
-            await self._runner.cleanup()  # cancels handlers: their streams abort requests
-            self._runner = None
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        """Retire, then release what the role still owns (every block it holds)."""
+        await self.retire()
         await self.stop_role()  # no task uses the role's resources any more
-        if self.kv_events is not None:
-            self.kv_events.close()
-            self.kv_events = None
-        await self.front.stop()
 
     async def stop_role(self) -> None:
         """Release role resources; blocks still held or reserved are freed here."""
 
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
-        """Start a task the node keeps a reference to and cancels on stop."""
+        """Start a task the role keeps a reference to and cancels when it retires."""
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self._tasks.add(task)
@@ -221,32 +223,8 @@ class NodeServer:
     # -- routes ------------------------------------------------------------------
 
     def routes(self) -> list[web.RouteDef]:
-        return [
-            web.get("/health", self.handle_health),
-            web.get("/state", self.handle_state),
-            web.get("/metrics", self.handle_metrics),
-            web.post("/internal/cancel", self.handle_cancel),
-            web.get("/internal/kv_cache", self.handle_kv_cache),
-        ]
-
-    async def handle_kv_cache(self, request: web.Request) -> web.Response:
-        """The KV-event snapshot: the last event's number and every cached block's key."""
-        last, hashes = await self.front.call(self.engine.allocator.cached_hashes)
-        secret = self.config.cluster_token
-        keys = [event_key(h, secret).hex() for h in hashes]
-        return web.json_response({"node": self.engine_id, "last": last, "keys": keys})
-
-    async def handle_health(self, request: web.Request) -> web.Response:
-        ok = not self.draining and self.front.error is None and not self.failed.is_set()
-        body = {"status": "ok" if ok else "unavailable", "role": self.role}
-        return web.json_response(body, status=200 if ok else 503)
-
-    async def handle_state(self, request: web.Request) -> web.Response:
-        return web.json_response(self.state())
-
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        data = generate_latest(self.metrics.registry)
-        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        """The role's routes (the host serves /health, /state, /metrics, kv_cache, role)."""
+        return [web.post("/internal/cancel", self.handle_cancel)]
 
     async def handle_cancel(self, request: web.Request) -> web.Response:
         msg = await read_message(request, Cancel)
@@ -331,7 +309,6 @@ class NodeServer:
                 **st["prefix_cache"],  # type: ignore[dict-item]
                 "block_size": cfg.block_size,
                 "salt": self.engine.scheduler.cache_salt.decode(),
-                "kv_events": self.kv_events.endpoint if self.kv_events is not None else None,
             },
             "preemptions": st["preemptions"],
             "integrity_violations": st["integrity_violations"],
@@ -349,16 +326,33 @@ class NodeServer:
             raise ApiError(503, "node engine stopped", type=SERVER_ERROR, code="engine_dead")
 
 
+# request[ROLE_KEY]: the role object the host dispatched the request to
+ROLE_KEY = web.RequestKey("pdserve.role", NodeServer)
+
+
 async def read_message(request: web.Request, cls: type[T]) -> T:
-    """Parse the body as one `cls` record or raise a 400 ApiError."""
+    """Parse the body as one `cls` record or raise a 400 ApiError; a role's work that names
+    another epoch than the role's (the proxy saw the node before a role change) is a 409
+    `stale_epoch`: the node did not take it."""
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, "request body too large", code="body_too_large") from None
     try:
-        return from_json(body, cls)
+        msg = from_json(body, cls)
     except (MessageError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise invalid_request(str(e)) from None
+    role = request.get(ROLE_KEY)
+    if isinstance(msg, RoleWork) and role is not None:
+        if msg.epoch is not None and msg.epoch != role.epoch:
+            raise ApiError(
+                409,
+                f"{msg.TYPE} for epoch {msg.epoch}, but this node is a {role.role} node at "
+                f"epoch {role.epoch}",
+                code="stale_epoch",
+                param="epoch",
+            )
+    return msg
 
 
 def json_message(msg: Message, status: int = 200) -> web.Response:
@@ -400,8 +394,21 @@ async def stream_outputs(
         resp = ndjson_response()
         await resp.prepare(request)
     last: float | None = None
+    role = request.get(ROLE_KEY)
+    evicted = role.evicted if role is not None else set()
     try:
         async for out in outputs:
+            if out.finish_reason is FinishReason.ABORT and request_id in evicted:
+                evicted.discard(request_id)
+                err = ApiError(503, "the node changed role", code=ROLE_CHANGE_CODE)
+                delta = TokenDelta(
+                    request_id=request_id,
+                    token_ids=[],  # the proxy continues after the tokens it relayed
+                    error=f"{err.code}: {err.message}",
+                    error_code=err.code,
+                )
+                await resp.write(to_json(delta) + b"\n")
+                break
             reason = out.finish_reason.wire_name if out.finish_reason is not None else None
             events = on_first(out) if on_first is not None and out.times is not None else []
             delta = TokenDelta(
@@ -431,7 +438,7 @@ def request_error(e: RequestError) -> ApiError:
 
 
 @web.middleware
-async def _errors_middleware(
+async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     try:

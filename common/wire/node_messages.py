@@ -12,6 +12,12 @@ Internal API (every node: GET /health, GET /state, GET /metrics):
                                                         or 503 code "decode_full"
     both     POST /internal/generate  GenerateRequest -> 200 NDJSON TokenDelta stream
     all      POST /internal/cancel    Cancel         -> CancelResult
+             POST /internal/role      RoleChange     -> RoleChangeResult (drains, switches)
+
+A role's work (PrefillRequest, DecodeRequest, GenerateRequest) may carry the node epoch the
+proxy saw (`/state` reports it; each role change bumps it): a node at another epoch answers
+409 "stale_epoch", and a path the node's current role does not serve 409 "wrong_role"; either
+way the node did not take the request.
 
 Errors are OpenAI-style bodies {"error": {"message", "type", "param", "code"}}.
 """
@@ -71,8 +77,14 @@ class KVHandle(BaseModel):
 NodeEvent = tuple[str, float]
 
 
+class RoleWork(Message):
+    """New work for a node's role, stamped with the epoch the sender saw (None: any)."""
+
+    epoch: int | None = Field(default=None, ge=0)
+
+
 @register
-class PrefillRequest(Message):
+class PrefillRequest(RoleWork):
     type: Literal["prefill_request"] = "prefill_request"
     request_id: str = Field(min_length=1, max_length=128)
     prompt_token_ids: list[int] = Field(min_length=1)
@@ -92,7 +104,7 @@ class PrefillResult(Message):
 
 
 @register
-class DecodeRequest(Message):
+class DecodeRequest(RoleWork):
     type: Literal["decode_request"] = "decode_request"
     request_id: str = Field(min_length=1, max_length=128)
     prompt_token_ids: list[int] = Field(min_length=1)
@@ -102,7 +114,7 @@ class DecodeRequest(Message):
 
 
 @register
-class GenerateRequest(Message):
+class GenerateRequest(RoleWork):
     type: Literal["generate_request"] = "generate_request"
     request_id: str = Field(min_length=1, max_length=128)
     prompt_token_ids: list[int] = Field(min_length=1)
@@ -145,6 +157,31 @@ class CancelResult(Message):
     stage: Stage | None = None  # where the node found it (one of NODE_STAGES)
 
 
+SwitchableRole = Literal["prefill", "decode"]
+
+
+@register
+class RoleChange(Message):
+    """Drain the node's current role and serve `role` at the next epoch. `epoch`: the epoch
+    the caller saw (a node at another one answers 409 stale_epoch); `drain_timeout_s`: how
+    long the old role's work may run before what is left is ended (None: the node's own)."""
+
+    type: Literal["role_change"] = "role_change"
+    role: SwitchableRole
+    epoch: int | None = Field(default=None, ge=0)
+    drain_timeout_s: float | None = Field(default=None, ge=0, le=3600)
+
+
+@register
+class RoleChangeResult(Message):
+    type: Literal["role_change_result"] = "role_change_result"
+    previous_role: SwitchableRole
+    role: SwitchableRole
+    epoch: int = Field(ge=0)
+    drained_s: float = Field(ge=0)  # from the start of the drain to serving again
+    evicted: int = Field(default=0, ge=0)  # requests the drain timeout ended
+
+
 __all__ = [
     "CancelResult",
     "DecodeRequest",
@@ -155,6 +192,9 @@ __all__ = [
     "MessageError",
     "PrefillRequest",
     "PrefillResult",
+    "RoleChange",
+    "RoleChangeResult",
+    "RoleWork",
     "TokenDelta",
     "from_json",
     "to_json",

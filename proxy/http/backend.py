@@ -89,7 +89,7 @@ class BackendError(ApiError):
         return cls(502, message, type=SERVER_ERROR, code="backend_failure")
 
 
-LOSS_CAUSES = ("broken", "stalled", "node_down")
+LOSS_CAUSES = ("broken", "stalled", "node_down", "role_change")
 
 
 class NodeLost(BackendError):
@@ -99,7 +99,8 @@ class NodeLost(BackendError):
 
     `cause` (one of LOSS_CAUSES; metrics count migrations by it): `broken` (the stream or
     call broke, or the node failed the request), `stalled` (the stream went silent for the
-    stall timeout), `node_down` (the registry found the node unreachable)."""
+    stall timeout), `node_down` (the registry found the node unreachable), `role_change`
+    (the node ended the stream to change role, after its drain timeout)."""
 
     def __init__(self, url: str, message: str, node_down: bool, cause: str = "broken") -> None:
         super().__init__(502, message, type=SERVER_ERROR, code="backend_failure")

@@ -4,9 +4,15 @@
     POST   /admin/nodes {"url", "role"?}   register (role checked against the node's /state;
                                            default: the role it reports) -> 201 {node}
     DELETE /admin/nodes?url=URL      stop routing to a node (in-flight requests finish) -> {node}
+    POST   /admin/nodes/role {"url", "role", "drain_timeout_s"?}
+                                     move a prefill or decode node to the other pool: it
+                                     drains, bumps its epoch and serves in the new role
+                                     (proxy/pool/roles.py) -> {node, previous_role, role,
+                                     epoch, drained_s, evicted}
 
 Errors are OpenAI-style bodies: 400 bad body or role, 409 conflict (fingerprint or role
-mismatch), 502 node unreachable, 404 unknown node.
+mismatch; a move of a `both` node, of the last node of a pool, or of a node being moved),
+502 node unreachable, 404 unknown node.
 """
 
 from __future__ import annotations
@@ -15,12 +21,13 @@ import time
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, invalid_request
 from proxy.http.server import error_response, new_request_id
 from proxy.pool.node_state import Node
 from proxy.pool.registry import NodeRegistry, RegistrationError
+from proxy.pool.roles import MoveRefused, RoleMover
 
 MAX_ADMIN_BODY = 64 * 1024
 
@@ -32,14 +39,24 @@ class NodeRegistration(BaseModel):
     role: str | None = None
 
 
+class RoleMoveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    role: str
+    drain_timeout_s: float | None = Field(default=None, ge=0, le=3600)
+
+
 class AdminRoutes:
-    def __init__(self, registry: NodeRegistry) -> None:
+    def __init__(self, registry: NodeRegistry, mover: RoleMover | None = None) -> None:
         self.registry = registry
+        self.mover = mover  # None: this proxy moves no node (colocated)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/admin/nodes", self.list_nodes)
         app.router.add_post("/admin/nodes", self.register)
         app.router.add_delete("/admin/nodes", self.remove)
+        app.router.add_post("/admin/nodes/role", self.move)
 
     async def list_nodes(self, request: web.Request) -> web.Response:
         nodes = [self._describe(n) for n in self.registry.nodes()]
@@ -84,6 +101,36 @@ class AdminRoutes:
         if node is None:
             return _error(ApiError(404, f"no node {url} is registered", code="node_not_found"))
         return web.json_response(node.describe())
+
+    async def move(self, request: web.Request) -> web.Response:
+        if self.mover is None:
+            return _error(ApiError(409, "this proxy's nodes have fixed roles", code="fixed_role"))
+        try:
+            body = await request.content.read(MAX_ADMIN_BODY + 1)
+            if len(body) > MAX_ADMIN_BODY:
+                raise invalid_request("the body is too large")
+            req = RoleMoveRequest.model_validate_json(body)
+            moved = await self.mover.move(
+                req.url, req.role, "POST /admin/nodes/role", drain_timeout_s=req.drain_timeout_s
+            )
+        except ValidationError as e:
+            return _error(invalid_request(f"expected {{'url', 'role'}}: {e.errors()[0]['msg']}"))
+        except MoveRefused as e:
+            error_type = SERVER_ERROR if e.status >= 500 else INVALID_REQUEST
+            return _error(ApiError(e.status, e.message, type=error_type, param="url", code=e.code))
+        except ApiError as e:
+            return _error(e)
+        result = moved.result
+        return web.json_response(
+            {
+                "node": self._describe(moved.node),
+                "previous_role": result.previous_role,
+                "role": result.role,
+                "epoch": result.epoch,
+                "drained_s": round(result.drained_s, 3),
+                "evicted": result.evicted,
+            }
+        )
 
 
 def _registration_error(e: RegistrationError) -> ApiError:

@@ -3,7 +3,8 @@ timeout per call kind, NDJSON token streams, and error bodies turned into `Backe
 
 Error mapping (what a caller may do next):
 - `NodeUnreachable` (503): the node never took the request (connection refused or reset
-  before an answer, or it answered 503 while draining); trying another node is safe.
+  before an answer, it answered 503 while draining, or 409 "stale_epoch" / "wrong_role":
+  it changed role since this proxy last saw it); trying another node is safe.
 - `DecodeFull`: a decode node answered 503 "decode_full"; the request stays queued.
 - `BackendError` 400 (a node refused the request), 503 overloaded (its queue is full),
   502 (timed out, died mid-call, sent garbage): the node may hold state for the request,
@@ -44,12 +45,14 @@ from common.wire.node_messages import (
     LeaseExtendResult,
     PrefillRequest,
     PrefillResult,
+    RoleChange,
+    RoleChangeResult,
     TokenDelta,
     from_json,
     to_json,
 )
 from proxy.http.backend import BackendError, NodeLost, TokenChunk
-from proxy.http.errors import SERVER_ERROR
+from proxy.http.errors import INVALID_REQUEST, SERVER_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +61,15 @@ EXTEND_PATH = "/internal/extend"
 DECODE_PATH = "/internal/decode"
 GENERATE_PATH = "/internal/generate"
 CANCEL_PATH = "/internal/cancel"
+ROLE_PATH = "/internal/role"
 JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_BODY = 64 * 1024
 MAX_LINE_BYTES = 1 << 20  # a token stream's longest line
 KV_ERROR_CODES = frozenset({"kv_failed", "kv_timeout", "kv_handshake"})
+ROLE_CHANGE_CODE = "role_change"  # a stream the node ended to change role: continue it
+MOVED_CODES = frozenset({"stale_epoch", "wrong_role"})  # 409: the node did not take it
+# POST /internal/role refusals, passed on as the node gave them (status and code)
+ROLE_REFUSALS = frozenset({"fixed_role", "same_role", "role_change_in_progress"})
 R = TypeVar("R", bound=Message)
 T = TypeVar("T")
 
@@ -245,6 +253,8 @@ class NodeStream:
         self.events += delta.events
         if delta.error is not None:
             message = f"node {self.url} failed the request: {delta.error}"
+            if delta.error_code == ROLE_CHANGE_CODE:  # it moves to another pool: continue
+                raise NodeLost(self.url, message, node_down=False, cause="role_change")
             if delta.error_code in KV_ERROR_CODES:  # the KV never came: re-prefill may help
                 raise NodeLost(self.url, message, node_down=False)
             raise BackendError.failed(message)
@@ -336,6 +346,10 @@ class NodeClient:
     async def cancel(self, url: str, request_id: str) -> CancelResult:
         msg = Cancel(request_id=request_id)
         return await self._call(url, CANCEL_PATH, msg, CancelResult, self._control())
+
+    async def change_role(self, url: str, msg: RoleChange, timeout_s: float) -> RoleChangeResult:
+        """Have the node drain and change role (it answers when done, or with an error)."""
+        return await self._call(url, ROLE_PATH, msg, RoleChangeResult, self._total(timeout_s))
 
     def cancel_soon(self, url: str, request_id: str) -> None:
         """Send a Cancel from a task this client owns, again with backoff while the node does
@@ -518,11 +532,16 @@ def _status_error(
     status = resp.status
     if status == 503 and code == "decode_full":
         return DecodeFull(url, message)
+    if (status, code) == (503, "role_change_failed") or (status == 409 and code in ROLE_REFUSALS):
+        error_type = SERVER_ERROR if status >= 500 else INVALID_REQUEST
+        return BackendError(status, f"node {url}: {message}", type=error_type, code=code)
     if status in (429, 503) and code == "overloaded":
         retry = _retry_after(resp.headers.get("Retry-After"))
         return BackendError.overloaded(f"node {url} is overloaded: {message}", retry)
     if status == 503:
         return NodeUnreachable(url, message)
+    if status == 409 and code in MOVED_CODES:
+        return NodeUnreachable(url, f"{code}: {message}")
     if 400 <= status < 500:
         return BackendError.refused(message, param=param)
     return BackendError.failed(f"node {url} failed: {message}")

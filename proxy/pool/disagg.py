@@ -286,7 +286,8 @@ class DisaggBackend:
         queued work (for routing) until a poll's state shows them."""
         with self.registry.track(node, uncached):
             try:
-                result = await self.client.prefill(node.url, msg)
+                stamped = msg.model_copy(update={"epoch": node.epoch})  # stale: 409, retried
+                result = await self.client.prefill(node.url, stamped)
             except NodeUnreachable:
                 raise
             except BaseException as e:  # cancelled, timed out, failed: it may hold the request
@@ -372,7 +373,10 @@ async def open_generate(
     prefills and decodes). NodeUnreachable if it never took the request; on any other
     failure the node is told to cancel, unless it refused the request outright."""
     msg = GenerateRequest(
-        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling=req.sampling,
+        epoch=node.epoch,  # a node that changed role since: 409, NodeUnreachable
     )
     try:
         stall_s = registry.stall_timeout(node.url)

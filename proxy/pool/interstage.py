@@ -141,6 +141,11 @@ class InterStageQueue:
     def depth(self) -> int:
         return len(self._entries)
 
+    def oldest_wait_s(self, now: float) -> float:
+        """How long the oldest waiting entry has waited for a decode node (0: none)."""
+        head = next(iter(self._entries.values()), None)
+        return now - head.enqueued_at if head is not None else 0.0
+
     def submit(self, request: DecodeRequest, prefill_url: str) -> QueueEntry:
         """Queue a prefilled request. The caller must end the entry with `wait` or
         `cancel`."""
@@ -239,7 +244,7 @@ class InterStageQueue:
                 stream = await self.client.open_stream(
                     node.url,
                     DECODE_PATH,
-                    entry.request,
+                    entry.request.model_copy(update={"epoch": node.epoch}),
                     entry.request_id,
                     stall_s=self.registry.stall_timeout(node.url),
                     kv_from=entry.prefill_url,

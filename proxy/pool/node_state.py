@@ -26,17 +26,21 @@ class NodeStatus(Enum):
     UP = "up"  # answered the last poll, healthy, compatible
     DOWN = "down"  # unreachable, or /health said 503 (draining, engine dead)
     REFUSED = "refused"  # wrong role or model fingerprint: never routed to
+    DRAINING = "draining"  # changing role: no new work; what it has finishes or moves
 
 
+_ANY = {NodeStatus.UP, NodeStatus.DOWN, NodeStatus.REFUSED, NodeStatus.DRAINING}
 MOVES: Transitions[NodeStatus] = Transitions(
     "node",
     {
-        NodeStatus.PENDING: {NodeStatus.UP, NodeStatus.DOWN, NodeStatus.REFUSED},
-        NodeStatus.UP: {NodeStatus.DOWN, NodeStatus.REFUSED},
-        NodeStatus.DOWN: {NodeStatus.UP, NodeStatus.REFUSED},
-        NodeStatus.REFUSED: {NodeStatus.UP, NodeStatus.DOWN},
+        NodeStatus.PENDING: _ANY,
+        NodeStatus.UP: _ANY - {NodeStatus.UP},
+        NodeStatus.DOWN: _ANY - {NodeStatus.DOWN},
+        NodeStatus.REFUSED: _ANY - {NodeStatus.REFUSED},
+        NodeStatus.DRAINING: _ANY - {NodeStatus.DRAINING},
     },
 )
+SWITCHABLE_ROLES = frozenset({Role.PREFILL, Role.DECODE})  # a `both` node keeps its role
 
 
 class Capacity(BaseModel):
@@ -75,6 +79,9 @@ class NodeState(BaseModel):
     prefill_tokens_per_s: float | None = None  # measured by the node
     step_time_max_s: float | None = None  # its slowest recent engine step
     prefix_cache: PrefixCacheInfo | None = None
+    epoch: int = 0  # role changes so far; work sent to the node carries it
+    role_state: str = "serving"  # serving | draining | switching | stopping
+    switchable: bool = False  # it can change between prefill and decode
 
     @field_validator("model_fingerprint", mode="before")
     @classmethod
@@ -116,10 +123,18 @@ class Node:
     # Sent since the current poll began: what the last /state cannot show yet.
     sent_tokens: int = 0
     sent_requests: int = 0
+    # The role this proxy is moving the node to (POST /admin/nodes/role, the planner): it
+    # stays DRAINING, with no new work, until the move ends.
+    moving_to: Role | None = None
 
     @property
     def healthy(self) -> bool:
         return self.status is NodeStatus.UP
+
+    @property
+    def epoch(self) -> int | None:
+        """The node's epoch at the last poll (None: never read), stamped on work sent to it."""
+        return self.state.epoch if self.state is not None else None
 
     @property
     def fingerprint(self) -> str | None:
@@ -179,6 +194,9 @@ class Node:
             "error": self.error,
             "model_fingerprint": self.fingerprint,
             "engine_id": state.engine_id if state is not None else None,
+            "epoch": self.epoch,
+            "role_state": state.role_state if state is not None else None,
+            "moving_to": self.moving_to.value if self.moving_to is not None else None,
             "seconds_since_seen": (
                 round(time.monotonic() - self.last_ok, 3) if self.last_ok is not None else None
             ),

@@ -14,6 +14,10 @@ finishes what it has. All nodes of one proxy must serve the same model: the firs
 `/state` is read sets the pool's `model_fingerprint`, and a node with another one is REFUSED
 (at `register`, with an error; when found by the poller, it is kept out of rotation).
 
+Roles change at run time (proxy/pool/roles.py, or another proxy): a node draining for a
+change (or being moved by this proxy) is DRAINING, with no new work; a prefill or decode node
+found serving the other role at a new epoch or incarnation moves to that pool.
+
 Routing reads the last `/state` plus what this proxy sent since that poll began (which the
 state cannot show yet), and each node's prefix cache as its KV events tell it (`index`): the
 `router` (router.py) picks where to prefill; decode candidates are offered roomiest first,
@@ -33,7 +37,14 @@ from dataclasses import dataclass
 from proxy.http.backend import BackendError
 from proxy.pool.client import NodeClient, NodeUnreachable
 from proxy.pool.kv_index import KVIndex
-from proxy.pool.node_state import Node, NodeState, NodeStatus, Role, normalize_url
+from proxy.pool.node_state import (
+    SWITCHABLE_ROLES,
+    Node,
+    NodeState,
+    NodeStatus,
+    Role,
+    normalize_url,
+)
 from proxy.pool.router import Policy, Router
 
 log = logging.getLogger(__name__)
@@ -109,7 +120,7 @@ class NodeRegistry:
         except (NodeUnreachable, ValueError) as e:
             raise RegistrationError(502, f"cannot register {url}: {e}") from None
         expected = self._check_role(role if role is not None else state.role)
-        problem = self._mismatch(url, expected, state)
+        problem = self._mismatch(url, expected, state, None)
         if problem:
             raise RegistrationError(409, problem)
         node = self.add(url, expected)
@@ -268,10 +279,12 @@ class NodeRegistry:
         if self._nodes.get(node.url) is not node:  # removed meanwhile
             return
         node.forget_sent(mark)
-        problem = self._mismatch(node.url, node.role, state)
+        problem = self._mismatch(node.url, node.role, state, node.state)
         if problem:
             self._set(node, NodeStatus.REFUSED, problem)
             return
+        if state.role != node.role.value and node.moving_to is None:
+            self._moved(node, Role(state.role), f"it reports {state.role} at epoch {state.epoch}")
         self._apply(node, healthy, state)
 
     # -- checks and transitions --------------------------------------------------------------
@@ -286,9 +299,12 @@ class NodeRegistry:
             raise RegistrationError(400, f"this proxy routes to {allowed} nodes, not {role.value}")
         return role
 
-    def _mismatch(self, url: str, role: Role, state: NodeState) -> str | None:
-        """Why `state` cannot serve as `role` in this pool; None if it can."""
-        if state.role != role.value:
+    def _mismatch(
+        self, url: str, role: Role, state: NodeState, known: NodeState | None
+    ) -> str | None:
+        """Why `state` cannot serve as `role` in this pool; None if it can (a node that
+        changed role since `known`, the last state read, is taken in its new role)."""
+        if state.role != role.value and not self._changed_role(role, state, known):
             return f"{url} reports role {state.role!r}, registered as {role.value!r}"
         if self.fingerprint is not None and state.model_fingerprint != self.fingerprint:
             return (
@@ -297,6 +313,18 @@ class NodeRegistry:
             )
         return None
 
+    def _changed_role(self, role: Role, state: NodeState, known: NodeState | None) -> bool:
+        """`state` is the other of prefill/decode, at a new epoch or incarnation (or past 0)."""
+        try:
+            reported = Role(state.role)
+        except ValueError:
+            return False
+        if not {role, reported} <= SWITCHABLE_ROLES or reported not in self.config.roles:
+            return False
+        if known is None:
+            return state.epoch > 0
+        return (known.epoch, known.engine_id) != (state.epoch, state.engine_id)
+
     def _apply(self, node: Node, healthy: bool, state: NodeState) -> None:
         if self.fingerprint is None:
             self.fingerprint, self._fingerprint_source = state.model_fingerprint, node.url
@@ -304,10 +332,39 @@ class NodeRegistry:
         node.observe(state, time.monotonic())
         if self.index is not None:
             self.index.observe(node)
-        if healthy:
-            self._set(node, NodeStatus.UP, None)
-        else:
+        if not healthy:
             self._set(node, NodeStatus.DOWN, "GET /health answered 503")
+        elif node.moving_to is not None:
+            self._set(node, NodeStatus.DRAINING, f"moving to {node.moving_to.value}")
+        elif state.role_state != "serving":
+            self._set(node, NodeStatus.DRAINING, f"changing role ({state.role_state})")
+        else:
+            self._set(node, NodeStatus.UP, None)
+
+    # -- role changes (proxy/pool/roles.py) --------------------------------------------------
+
+    def begin_move(self, node: Node, role: Role) -> None:
+        node.moving_to = role  # no new work until `end_move`
+        if node.status is not NodeStatus.DRAINING:
+            self._set(node, NodeStatus.DRAINING, f"moving to {role.value}")
+
+    async def end_move(self, node: Node, role: Role | None) -> None:
+        """The move ended: the node serves as `role` (None: the move failed, it keeps its
+        role); polled now, so that it takes work in its pool at once."""
+        node.moving_to = None
+        if role is not None and role is not node.role:
+            self._moved(node, role, "moved by this proxy")
+        await self._poll(node)
+
+    def _moved(self, node: Node, role: Role, why: str) -> None:
+        """`node` serves as `role` now. A former prefill node holds no KV any more: requests
+        waiting in the inter-stage queue for KV it held are told (they prefill again)."""
+        old, node.role = node.role, role
+        log.info("node %s moves from the %s pool to the %s pool (%s)", node.url, old.value,
+                 role.value, why)  # fmt: skip
+        if old is Role.PREFILL:
+            for listener in self._lost_listeners:
+                listener(node)
 
     def _lost(self, node: Node, reason: str) -> None:
         """`node` is unreachable or hung: end what waits on it, so that it moves now."""

@@ -83,6 +83,8 @@ class StubNode:
         self.accept_delay = 0.0  # decode: seconds before answering (full or accepted)
         self.step_time_max_s: float | None = None  # reported in /state
         self.prefill_tokens_per_s: float | None = None  # reported in /state
+        self.epoch = 0  # role changes (reported in /state, with role_state)
+        self.role_state = "serving"
         # hang(): like SIGSTOP, connections are accepted but nothing answers or streams
         self._running = asyncio.Event()
         self._running.set()
@@ -164,11 +166,18 @@ class StubNode:
                 "queued_prefill_tokens": self.queued_prefill_tokens,
                 "step_time_max_s": self.step_time_max_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "epoch": self.epoch,
+                "role_state": self.role_state,
+                "switchable": self.role != "both",
             }
         )
 
     async def prefill(self, request: web.Request) -> web.Response:
         msg = await self._read(request, PrefillRequest)
+        if msg.epoch is not None and msg.epoch != self.epoch:  # as a node that changed role
+            error = {"message": "stale epoch", "type": "invalid_request_error"}
+            return web.json_response({"error": {**error, "param": None, "code": "stale_epoch"}},
+                                     status=409)  # fmt: skip
         if self.refuse_prefill:
             error = {"message": "prompt too long", "type": "invalid_request_error"}
             return web.json_response({"error": {**error, "param": None, "code": None}}, status=400)

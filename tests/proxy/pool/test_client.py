@@ -12,7 +12,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from common.wire.node_messages import GenerateRequest, PrefillRequest, TokenDelta, to_json
+from common.wire.node_messages import (
+    GenerateRequest,
+    PrefillRequest,
+    RoleChange,
+    TokenDelta,
+    to_json,
+)
 from common.wire.sampling_params import SamplingParams
 from proxy.http.backend import BackendError, NodeLost, TokenChunk
 from proxy.pool.client import (
@@ -177,3 +183,49 @@ def test_a_stream_read_to_its_end_leaves_its_connection_to_the_next() -> None:
 
     peers = asyncio.run(body())
     assert len(peers) == 3 and len(set(peers)) == 1  # one connection, three streams
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "code", "expected"),
+    [
+        ("/internal/prefill", 409, "stale_epoch", (503, "unavailable")),  # did not take it
+        ("/internal/prefill", 409, "wrong_role", (503, "unavailable")),
+        ("/internal/role", 409, "role_change_in_progress", (409, "role_change_in_progress")),
+        ("/internal/role", 503, "role_change_failed", (503, "role_change_failed")),
+    ],
+)
+def test_role_change_answers_keep_their_meaning(
+    path: str, status: int, code: str, expected: tuple[int, str]
+) -> None:
+    """A node that changed role did not take the work (another node may); a refused or
+    failed role change keeps the node's status and code."""
+
+    async def refuse(request: web.Request) -> web.Response:
+        error = {"message": "no", "type": "invalid_request_error", "param": None, "code": code}
+        return web.json_response({"error": error}, status=status)
+
+    async def body() -> BackendError:
+        app = web.Application()
+        app.router.add_post(path, refuse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        client = NodeClient(NodeTimeouts())
+        await client.start()
+        try:
+            with pytest.raises(BackendError) as err:
+                if path == "/internal/role":
+                    await client.change_role(url, RoleChange(role="decode"), 5.0)
+                else:
+                    req = PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=SP,
+                                         lease_s=5, epoch=0)  # fmt: skip
+                    await client.prefill(url, req)
+            return err.value
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    error = asyncio.run(asyncio.wait_for(body(), 20))
+    assert (error.status, error.code) == expected
+    assert isinstance(error, NodeUnreachable) == (code in ("stale_epoch", "wrong_role"))

@@ -273,5 +273,22 @@ def test_auto_uses_the_prefill_pool_when_it_is_idle_and_falls_back_to_local_with
             trace = traces.get("req-2")
             assert trace is not None
             assert any(r.detail.startswith("auto: local (no_prefill_node)") for r in trace.rows)
+def test_a_prefill_node_at_another_epoch_did_not_take_the_request_and_another_does() -> None:
+    async def body() -> None:
+        moved, other, decode = StubNode("prefill"), StubNode("prefill"), StubNode("decode")
+        other.queued_prefill_tokens = 100_000  # routing tries `moved` first
+        async with (
+            stubs(moved, other, decode),
+            proxy_stack((moved, other), (decode,), poll_interval_s=30) as stack,
+        ):
+            moved.epoch = 1  # it changed role twice since the proxy's last poll
+            backend = DisaggBackend(stack.registry, stack.client, stack.queue)
+            chunks = await _collect(backend.generate(_request()))
+            assert _tokens(chunks) == [7, 8, 9, 10]
+            [(_, refused)], [(_, taken)] = moved.calls, other.calls
+            assert refused.epoch == taken.epoch == 0  # the epoch the proxy saw, stamped
+            assert moved.cancels == []  # 409: it holds nothing, nothing to cancel
+            [(_, dec)] = decode.calls
+            assert dec.epoch == 0 and dec.kv.engine_id == other.engine_id
 
     run(body())

@@ -211,3 +211,25 @@ async def _admin_calls(
         assert r.status == 404
     async with s.get(base) as r:
         assert (await r.json())["nodes"] == []
+
+
+def test_a_node_that_changed_role_moves_to_its_new_pool_and_drains_meanwhile() -> None:
+    async def body() -> None:
+        node, misconfigured = StubNode("prefill"), StubNode("decode")
+        async with stubs(node, misconfigured), Registry() as registry:
+            lost: list[str] = []
+            registry.add_lost_listener(lambda n: lost.append(n.url))
+            entry = registry.add(node.url, "prefill")
+            wrong = registry.add(misconfigured.url, "prefill")  # reports decode at epoch 0
+            await eventually(lambda: entry.healthy and wrong.status is NodeStatus.REFUSED)
+            node.role_state = "draining"  # another proxy is moving it: no new work
+            await eventually(lambda: entry.status is NodeStatus.DRAINING)
+            assert registry.healthy(Role.PREFILL) == []
+            node.role, node.epoch, node.role_state = "decode", 1, "serving"
+            await eventually(lambda: entry.healthy, what="up in its new role")
+            assert entry.role is Role.DECODE and entry.epoch == 1
+            assert registry.decode_candidates() == [entry]
+            assert lost == [node.url]  # the inter-stage queue drops what waited on its KV
+            assert wrong.status is NodeStatus.REFUSED
+
+    run(body())
