@@ -39,6 +39,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
         help="times a stream may be re-prefilled onto another decode node after a node failure",
     )
     add_routing_arg(q)
+    add_kv_streaming_arg(q)
     add_liveness_args(q)
     p.add_argument("--trace-capacity", type=int, default=2048, help="recent request traces kept")
     q.add_argument("--interstage-max-wait-s", type=float, default=300.0)
@@ -157,6 +158,17 @@ def add_liveness_args(g: argparse._ActionsContainer) -> None:
         default=None,
         help="a node with no good health/state poll for this long gets no new work while "
         "another answers (default: max(2, 4 poll intervals))",
+    )
+
+
+def add_kv_streaming_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument(
+        "--kv-streaming",
+        choices=["on", "off"],
+        default="on",
+        help="on: the prefill node writes each finished group of KV blocks to the decode node "
+        "while later chunks compute (the decode node is engaged when the prefill node takes "
+        "the request); off: one write after the first token: %(default)s",
     )
 
 

@@ -83,6 +83,7 @@ class UpConfig:
     interstage_capacity: int = 0  # 0: derived from the decode pool
     prefill_backlog_s: float = 2.0
     routing: str = "cost"
+    kv_streaming: bool = True
     stall_timeout_s: float = NodeTimeouts.stall_s
     silent_after_s: float | None = None
     demo_prompt: str | None = None  # stream one chat completion through the proxy at start
@@ -359,6 +360,7 @@ async def start_service(
         interstage_capacity=cfg.interstage_capacity,
         prefill_backlog_s=cfg.prefill_backlog_s,
         routing=cfg.routing,
+        kv_streaming=cfg.kv_streaming,
         silent_after_s=cfg.silent_after_s,
         timeouts=NodeTimeouts(stall_s=cfg.stall_timeout_s),
         cluster_token=cluster_token,
@@ -519,6 +521,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         interstage_capacity=args.interstage_capacity,
         prefill_backlog_s=args.prefill_backlog_s,
         routing=args.routing,
+        kv_streaming=args.kv_streaming == "on",
         stall_timeout_s=args.stall_timeout_s,
         silent_after_s=args.silent_after_s,
     )

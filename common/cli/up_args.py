@@ -6,7 +6,12 @@ import argparse
 
 from common.cli.engine_args import add_engine_args
 from common.cli.lazy import lazy
-from common.cli.proxy_args import add_admission_args, add_liveness_args, add_routing_arg
+from common.cli.proxy_args import (
+    add_admission_args,
+    add_kv_streaming_arg,
+    add_liveness_args,
+    add_routing_arg,
+)
 
 
 def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -56,6 +61,7 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--lease-s", type=float, default=30.0)
     add_admission_args(p)
     add_routing_arg(p)
+    add_kv_streaming_arg(p)
     add_liveness_args(p)
     p.add_argument(
         "--demo",

@@ -278,18 +278,18 @@ class LLMEngine:
     def validate_prefilled(
         self,
         prompt_token_ids: list[int],
-        first_token_id: int,
+        first_token_id: int | None,
         sampling: SamplingParams,
         kv_num_tokens: int,
         kv_num_blocks: int,
     ) -> None:
         """`validate`, for a request prefilled elsewhere, plus what its KV handle claims: its
         first token is in the vocabulary, its KV covers exactly the prompt, in as many blocks
-        as this node's block size needs. Raises RequestError."""
+        as this node's block size needs. Raises RequestError. (A first token that comes
+        later, with streamed KV, is checked with `check_token` then.)"""
         self.validate(prompt_token_ids, sampling)
-        vocab = self.model_config.vocab_size
-        if not 0 <= first_token_id < vocab:
-            raise RequestError(f"first_token_id must be in [0, {vocab})")
+        if first_token_id is not None:
+            self.check_token(first_token_id)
         n = len(prompt_token_ids)
         if n + sampling.max_tokens > self.max_model_len:  # the proxy fits max_tokens first
             raise RequestError(
@@ -305,6 +305,12 @@ class LLMEngine:
                 f"the KV handle has {kv_num_blocks} blocks; {n} tokens at block size {bs} "
                 f"need {need} (block sizes differ?)"
             )
+
+    def check_token(self, token_id: int) -> None:
+        """A first token sampled elsewhere must be in this model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        if not 0 <= token_id < vocab:
+            raise RequestError(f"first_token_id must be in [0, {vocab})")
 
     # -- the offline API --------------------------------------------------------
 

@@ -13,6 +13,13 @@ consuming task cancelled) cancels it where it is, from tasks the `NodeClient` ow
 The first token is yielded as soon as the prefill node returns it; the request is queued for
 decode before that yield, so the client's first write does not delay the decode.
 
+With `kv_streaming`, the prefill call is streamed (`PrefillStream`): the request is queued
+for decode as soon as the prefill node accepted it (its KV handle), without a first token, so
+a decode node with room reserves the blocks and asks for the KV while the prompt still
+computes; the prefill node writes each finished group at once, and the first token travels
+to the decode node with the last group. Cancellation is unchanged: the entry is cancelled
+wherever it is, and both nodes are told.
+
 A started request whose node is lost (`NodeLost`: its stream broke, went silent for the
 stall timeout, or the registry found the node unreachable) is continued elsewhere by
 re-prefilling the prompt plus the tokens so far (`migrate_limit` times); the client sees one
@@ -24,10 +31,19 @@ of its work at once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import TypeVar
 
-from common.wire.node_messages import DecodeRequest, GenerateRequest, PrefillRequest, PrefillResult
+from common.wire.node_messages import (
+    DecodeRequest,
+    GenerateRequest,
+    KVHandle,
+    PrefillAccepted,
+    PrefillRequest,
+    PrefillResult,
+)
 from common.wire.stage import Stage
 from proxy.http.backend import BackendError, GenerationRequest, NodeLost, TokenChunk, TokenStream
 from proxy.metrics import DisaggMetrics
@@ -35,10 +51,13 @@ from proxy.pool.budget import Claim, Limits, PreDecodeBudget
 from proxy.pool.client import GENERATE_PATH, NodeClient, NodeStream, NodeUnreachable
 from proxy.pool.interstage import InterStageQueue, QueueEntry
 from proxy.pool.node_state import Node, Role
+from proxy.pool.prefill_stream import PrefillStream
 from proxy.pool.registry import NodeRegistry
 from proxy.trace import TraceStore
 
 log = logging.getLogger(__name__)
+
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,8 @@ class DisaggConfig:
     lease_s: float = 30.0  # the prefill lease; the inter-stage queue extends it while waiting
     node_attempts: int = 2  # nodes tried when one turns out unreachable before taking a request
     migrate_limit: int = 1  # re-prefills of a started request after a node failure
+    # Stream the KV while the prompt computes (the decode node is engaged at admission).
+    kv_streaming: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_s <= 3600:
@@ -134,14 +155,19 @@ class DisaggBackend:
     async def _attempt(self, req: GenerationRequest, budget_id: str) -> TokenStream:
         """Prefill `req`, yield its first token, queue it for decode and relay the stream;
         `budget_id` leaves the pre-decode budget once a decode node has taken it."""
-        prefill_url, result = await self._prefill(req)
+        if self.config.kv_streaming:
+            async with aclosing(self._attempt_streamed(req, budget_id)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        prefill_url, result = await self._prefill(req, self._prefill_on)
         self.budget.prefilled(budget_id)
         first = TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens)
         if result.kv is None:
             self.budget.release(budget_id)
             yield first
             return
-        entry = self._enqueue(req, result, prefill_url)
+        entry = self._enqueue(req, result.first_token_id, result.kv, prefill_url)
         self.traces.record(req.request_id, "inter-stage queued", stage=Stage.INTERSTAGE)
         try:
             yield first
@@ -150,6 +176,47 @@ class DisaggBackend:
             self.queue.cancel(entry)
             raise
         self.budget.release(budget_id)
+        async with aclosing(self._decode(req, stream, prefill_url)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _attempt_streamed(self, req: GenerationRequest, budget_id: str) -> TokenStream:
+        """`_attempt` with the KV streamed: queued for decode at the prefill node's
+        acceptance, first token yielded when it comes, then the decode stream relayed."""
+        prefill_url, (call, accepted) = await self._prefill(req, self._prefill_streamed_on)
+        try:
+            entry = self._enqueue(req, None, accepted.kv, prefill_url)
+        except BaseException:
+            call.close()
+            raise
+        detail = "kv streamed while the prompt computes"
+        self.traces.record(req.request_id, "inter-stage queued", detail, stage=Stage.INTERSTAGE)
+        try:
+            result = await self._streamed_result(call)
+            self.budget.prefilled(budget_id)
+            first = TokenChunk(
+                [result.first_token_id], result.finish_reason, result.num_cached_tokens
+            )
+            if result.kv is None:  # finished at its first token: the decode side is not needed
+                self.queue.cancel(entry)
+                self.budget.release(budget_id)
+                yield first
+                return
+            yield first
+            stream = await self.queue.wait(entry)
+        except BaseException:  # as in _attempt
+            self.queue.cancel(entry)
+            raise
+        finally:
+            call.close()
+        self.budget.release(budget_id)
+        async with aclosing(self._decode(req, stream, prefill_url)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _decode(
+        self, req: GenerationRequest, stream: NodeStream, prefill_url: str
+    ) -> TokenStream:
         self.traces.record(req.request_id, "dispatched", detail=stream.url, stage=Stage.TRANSFER)
         async with aclosing(
             relay(stream, self.client, self.queue, prefill_url, self.traces)
@@ -179,7 +246,13 @@ class DisaggBackend:
                 code="unavailable",
             )
 
-    async def _prefill(self, req: GenerationRequest) -> tuple[str, PrefillResult]:
+    async def _prefill(
+        self,
+        req: GenerationRequest,
+        on: Callable[[Node, PrefillRequest, int], Awaitable[P]],
+    ) -> tuple[str, P]:
+        """Prefill `req` with `on(node, msg, uncached)` on the routed node, trying another
+        while one turns out unreachable before it took the request."""
         msg = PrefillRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -194,7 +267,7 @@ class DisaggBackend:
             node = decision.node
             self.traces.record(msg.request_id, "routed", detail=decision.detail())
             try:
-                return node.url, await self._prefill_on(node, msg, decision.chosen.uncached)
+                return node.url, await on(node, msg, decision.chosen.uncached)
             except NodeUnreachable as e:  # it did not take the request: try another node
                 self._unreachable(node, e, msg.request_id)
                 self._count("retries", "prefill")
@@ -225,16 +298,47 @@ class DisaggBackend:
         self.traces.record_node(msg.request_id, node.url, result.events)
         return result
 
+    async def _prefill_streamed_on(
+        self, node: Node, msg: PrefillRequest, uncached: int
+    ) -> tuple[PrefillStream, PrefillAccepted]:
+        """Start a streamed prefill on `node`, up to its acceptance (the KV handle)."""
+        with self.registry.track(node, uncached):
+            try:
+                call = await self.client.prefill_streamed(node.url, msg)
+            except NodeUnreachable:
+                raise
+            except BaseException as e:  # as in _prefill_on
+                if not (isinstance(e, BackendError) and e.status < 500):
+                    self.client.cancel_soon(node.url, msg.request_id)
+                raise
+        try:
+            return call, await call.accepted()
+        except BaseException:  # it took the request, then failed or was dropped
+            call.close()
+            self.client.cancel_soon(node.url, msg.request_id)
+            raise
+
+    async def _streamed_result(self, call: PrefillStream) -> PrefillResult:
+        result = await call.result()
+        if (result.kv is None) == (result.finish_reason is None):
+            raise BackendError.failed(f"prefill node {call.url} answered an inconsistent result")
+        self.traces.record_node(call.request_id, call.url, result.events)
+        return result
+
     def _enqueue(
-        self, req: GenerationRequest, result: PrefillResult, prefill_url: str
+        self,
+        req: GenerationRequest,
+        first_token_id: int | None,
+        kv: KVHandle | None,
+        prefill_url: str,
     ) -> QueueEntry:
-        assert result.kv is not None
+        assert kv is not None
         decode = DecodeRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            first_token_id=result.first_token_id,
+            first_token_id=first_token_id,
             sampling=req.sampling,
-            kv=result.kv,
+            kv=kv,
         )
         try:
             return self.queue.submit(decode, prefill_url)
