@@ -101,6 +101,7 @@ class DecodeNode(TransferNode):
         entry = Incoming(msg.request_id, len(blocks), loop.create_future())
         if msg.first_token_id is None:  # streamed KV: the token comes with it
             entry.first_token = loop.create_future()
+            entry.first_token.add_done_callback(_retrieve)
         entry.events += [("decode received", received), ("decode reserved", time.time())]
         record = self.engine.record(msg.request_id)
         assert record is not None and record.transfer is None, msg.request_id
@@ -283,10 +284,10 @@ class DecodeNode(TransferNode):
             return
         try:
             self.engine.check_token(msg.token_id)
-        except RequestError as e:
+        except RequestError as e:  # the handler fails; the blocks go once quiescent
             log.warning("first token for %s from %s refused: %s", msg.request_id, peer_id, e)
-            entry.failure = f"bad first token: {e}"
-            self.agent.abort(msg.request_id)  # the handler fails on the terminal event
+            error = ApiError(502, f"bad first token: {e}", type=SERVER_ERROR, code="kv_failed")
+            entry.first_token.set_exception(error)
             return
         entry.sampled_at = msg.sampled_at
         entry.first_token.set_result(msg.token_id)
@@ -301,6 +302,12 @@ class DecodeNode(TransferNode):
             self._free(entry)
         elif not entry.done.done():
             entry.done.set_result(landed)
+
+
+def _retrieve(future: asyncio.Future[int]) -> None:
+    """A first token's error is seen even if the transfer failed first (no GC warning)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _freed(transfer: object) -> bool:

@@ -279,7 +279,7 @@ class PrefillNode(TransferNode):
         entry = self._entry(request_id)
         if entry is None:
             record = self.engine.record(request_id)
-            if record is not None and record.transfer is not None:
+            if record is not None and record.transfer is not None and record.seq is None:
                 return None  # released already; the engine is freeing its blocks
             return await super().cancel(request_id)  # queued or computing: the engine aborts it
         if entry.computing:  # a streamed prefill

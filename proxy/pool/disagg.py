@@ -189,10 +189,13 @@ class DisaggBackend:
         except BaseException:
             call.close()
             raise
+        # Queued for decode while still in the PREFILL stage (the KV streams to whichever
+        # decode node takes it); INTERSTAGE once the first token came, as without streaming.
         detail = "kv streamed while the prompt computes"
-        self.traces.record(req.request_id, "inter-stage queued", detail, stage=Stage.INTERSTAGE)
+        self.traces.record(req.request_id, "inter-stage queued", detail=detail)
         try:
             result = await self._streamed_result(call)
+            self.traces.enter(req.request_id, Stage.INTERSTAGE)
             self.budget.prefilled(budget_id)
             first = TokenChunk(
                 [result.first_token_id], result.finish_reason, result.num_cached_tokens
