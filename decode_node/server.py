@@ -174,7 +174,8 @@ class DecodeNode(TransferNode):
             first_token = await self._until(entry.first_token, deadline)
             exposed = max(0.0, landed_at - entry.sampled_at)
             self.metrics.kv_exposed_seconds.observe(exposed)
-            row = f"kv landed {exposed * 1e3:.1f} ms after the first token ({entry.groups} groups)"
+            groups = entry.groups + 1  # (the last one landed with this)
+            row = f"kv landed {exposed * 1e3:.1f} ms after the first token ({groups} groups)"
             entry.events.append((row, landed_at))
         assert first_token is not None
         entry.transition(IncomingState.LANDED)  # from here the blocks are the sequence's

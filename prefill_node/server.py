@@ -9,8 +9,9 @@ node WRITEs the held blocks into the named destination blocks and frees its own
 only when the transfer reports a terminal event (done, failed, quiescent).
 
 POST /internal/prefill_streamed streams the KV while the prompt computes (`streamed.py`):
-it answers NDJSON, a PrefillAccepted with the KV handle as soon as the engine took the
-request (so the proxy can engage a decode node at once), then the PrefillResult.
+it answers NDJSON, a PrefillAccepted with the KV handle as soon as the engine computed the
+first chunk (so the proxy can engage a decode node while the rest computes), then the
+PrefillResult.
 """
 
 from __future__ import annotations
@@ -190,11 +191,13 @@ class PrefillNode(TransferNode):
         resp = ndjson_response()
         final: StepOutput | None = None
         try:
-            await self.front.call(_barrier)  # the engine holds the record (with `entry`) now
-            await resp.prepare(request)
-            accepted = PrefillAccepted(request_id=msg.request_id, kv=self._handle(entry))
-            await resp.write(to_json(accepted) + b"\n")
             async for out in outputs:
+                # The handle goes out with the first output (the first chunk computed): the
+                # decode node reserves for a prompt that computes, not one still queued here.
+                if not resp.prepared and out.finish_reason is not FinishReason.ABORT:
+                    await resp.prepare(request)
+                    accepted = PrefillAccepted(request_id=msg.request_id, kv=self._handle(entry))
+                    await resp.write(to_json(accepted) + b"\n")
                 if out.times is not None:
                     events += self.engine_events(out, "prefill", "prefill admitted", "prefill done")
                 if out.kind is not OutputKind.KV_COMPUTED:
@@ -208,6 +211,8 @@ class PrefillNode(TransferNode):
         if final.finish_reason is FinishReason.ABORT:
             self.metrics.requests.labels(outcome="cancelled").inc()
             err = ApiError(409, f"request {msg.request_id} was cancelled", code="cancelled")
+            if not resp.prepared:
+                raise err
             await write_error_line(resp, msg.request_id, err)
             return resp
         self.metrics.requests.labels(outcome="prefilled").inc()
@@ -426,7 +431,3 @@ class PrefillNode(TransferNode):
             self.metrics.transfer_bytes.observe(entry.sent_blocks * self.engine.block_bytes)
             self.metrics.kv_blocks_transferred.inc(entry.sent_blocks)
         self._release(entry, "transfer done" if ok else "transfer ended")
-
-
-def _barrier() -> None:
-    """Run on the engine thread after the commands queued before it (AsyncEngine.call)."""

@@ -8,7 +8,7 @@ Internal API (every node: GET /health, GET /state, GET /metrics):
 
     prefill  POST /internal/prefill   PrefillRequest -> PrefillResult
              POST /internal/prefill_streamed  PrefillRequest -> 200 NDJSON: PrefillAccepted
-                                      (the KV handle, at admission: the KV streams to the
+                                      (the KV handle, after the first chunk: the KV streams to the
                                       decode node that asks while the prompt computes), then
                                       PrefillResult, or a TokenDelta with the error
              POST /internal/extend    LeaseExtend    -> LeaseExtendResult

@@ -49,7 +49,7 @@ from common.wire.node_messages import (
     to_json,
 )
 from proxy.http.backend import BackendError, NodeLost, TokenChunk
-from proxy.http.errors import SERVER_ERROR
+from proxy.pool.node_errors import NodeUnreachable as NodeUnreachable  # (re-exported)
 from proxy.pool.prefill_stream import PrefillStream
 
 log = logging.getLogger(__name__)
@@ -87,23 +87,6 @@ class NodeTimeouts:
                 raise ValueError(f"NodeTimeouts.{name} must be positive, got {value}")
         if self.stall_s < 0:
             raise ValueError(f"NodeTimeouts.stall_s must be >= 0, got {self.stall_s}")
-
-
-class NodeUnreachable(BackendError):
-    """The node did not take the request; another node may. `maybe_received`: the connection
-    broke after the request was written (a dead node, or a stale pooled connection), so the
-    caller also sends the node a Cancel in case it lives."""
-
-    def __init__(self, url: str, reason: str, maybe_received: bool = False) -> None:
-        super().__init__(
-            503,
-            f"node {url} is unavailable: {reason}",
-            type=SERVER_ERROR,
-            code="unavailable",
-            retry_after=1.0,
-        )
-        self.url = url
-        self.maybe_received = maybe_received
 
 
 class DecodeFull(Exception):

@@ -58,6 +58,7 @@ from proxy.trace import TraceStore
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
+Streamed = tuple[QueueEntry, PrefillResult]  # a streamed prefill's queue entry and result
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class DisaggConfig:
     lease_s: float = 30.0  # the prefill lease; the inter-stage queue extends it while waiting
     node_attempts: int = 2  # nodes tried when one turns out unreachable before taking a request
     migrate_limit: int = 1  # re-prefills of a started request after a node failure
-    # Stream the KV while the prompt computes (the decode node is engaged at admission).
+    # Stream the KV while the prompt computes (a decode node is engaged after its first chunk).
     kv_streaming: bool = False
 
     def __post_init__(self) -> None:
@@ -182,19 +183,15 @@ class DisaggBackend:
 
     async def _attempt_streamed(self, req: GenerationRequest, budget_id: str) -> TokenStream:
         """`_attempt` with the KV streamed: queued for decode at the prefill node's
-        acceptance, first token yielded when it comes, then the decode stream relayed."""
-        prefill_url, (call, accepted) = await self._prefill(req, self._prefill_streamed_on)
+        acceptance, first token yielded when it comes, then the decode stream relayed. A
+        prefill node lost before the first token is retried on another, as without
+        streaming (its queue entry cancelled, a new one queued)."""
+
+        def on(node: Node, msg: PrefillRequest, uncached: int) -> Awaitable[Streamed]:
+            return self._streamed_on(req, node, msg, uncached)
+
+        prefill_url, (entry, result) = await self._prefill(req, on)
         try:
-            entry = self._enqueue(req, None, accepted.kv, prefill_url)
-        except BaseException:
-            call.close()
-            raise
-        # Queued for decode while still in the PREFILL stage (the KV streams to whichever
-        # decode node takes it); INTERSTAGE once the first token came, as without streaming.
-        detail = "kv streamed while the prompt computes"
-        self.traces.record(req.request_id, "inter-stage queued", detail=detail)
-        try:
-            result = await self._streamed_result(call)
             self.traces.enter(req.request_id, Stage.INTERSTAGE)
             self.budget.prefilled(budget_id)
             first = TokenChunk(
@@ -210,12 +207,34 @@ class DisaggBackend:
         except BaseException:  # as in _attempt
             self.queue.cancel(entry)
             raise
-        finally:
-            call.close()
         self.budget.release(budget_id)
         async with aclosing(self._decode(req, stream, prefill_url)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    async def _streamed_on(
+        self, req: GenerationRequest, node: Node, msg: PrefillRequest, uncached: int
+    ) -> Streamed:
+        """A streamed prefill on `node`: queued for decode once the node accepted it, then
+        its result; on any failure the queue entry is cancelled (NodeUnreachable: the node
+        was lost, `_prefill` tries another)."""
+        call, accepted = await self._prefill_streamed_on(node, msg, uncached)
+        try:
+            entry = self._enqueue(req, None, accepted.kv, node.url)
+        except BaseException:
+            call.close()
+            raise
+        # Queued for decode while still in the PREFILL stage (the KV streams to whichever
+        # decode node takes it); INTERSTAGE once the first token came, as without streaming.
+        detail = "kv streamed while the prompt computes"
+        self.traces.record(req.request_id, "inter-stage queued", detail=detail)
+        try:
+            return entry, await self._streamed_result(call)
+        except BaseException:
+            self.queue.cancel(entry)
+            raise
+        finally:
+            call.close()
 
     async def _decode(
         self, req: GenerationRequest, stream: NodeStream, prefill_url: str

@@ -6,7 +6,8 @@ the prefill node took the request, then the first token.
             TokenDelta with error  the node failed or cancelled the request
 
 Each line is read within the prefill timeout, and `NodeClient.abort(url)` (the node is
-down) ends a read in flight, as for a plain prefill call.
+down) ends a read in flight, as for a plain prefill call. A stream that breaks or ends early
+is `NodeUnreachable` (maybe received): the node is gone, another may take the request.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import aiohttp
 from common.wire.messages import Message, MessageError
 from common.wire.node_messages import PrefillAccepted, PrefillResult, TokenDelta, from_json
 from proxy.http.backend import BackendError
+from proxy.pool.node_errors import NodeUnreachable
 
 R = TypeVar("R", bound=Message)
 T = TypeVar("T")
@@ -61,10 +63,10 @@ class PrefillStream:
             raise BackendError.failed(
                 f"prefill node {self.url} sent no {cls.TYPE} within {self._timeout_s:g} s"
             ) from None
-        except aiohttp.ClientError as e:
-            raise BackendError.failed(f"prefill node {self.url} broke off: {e!r}") from None
+        except aiohttp.ClientError as e:  # it took the request, then its connection broke
+            raise NodeUnreachable(self.url, f"broke off: {e!r}", maybe_received=True) from None
         if not line.strip():
-            raise BackendError.failed(f"prefill node {self.url} ended the stream early")
+            raise NodeUnreachable(self.url, "ended the stream early", maybe_received=True)
         try:
             if _type_of(line) == TokenDelta.TYPE:
                 error = from_json(line, TokenDelta)

@@ -39,6 +39,13 @@ from tests.support.cluster import Cluster, Server
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CHUNK = 32  # prompt tokens a prefill step
+# A streamed request's boundaries, in causal order (the prompt takes ten steps, so the
+# decode node reserves and asks while it computes).
+STREAMED_ROWS = [
+    "routed", "prefill received", "inter-stage queued", "decode received", "decode reserved",
+    "transfer start", "prefill done", "transfer done", "decode admitted",
+    "first decode token", "finished", "stream closed",
+]  # fmt: skip
 STEP_DELAY_S = 0.1
 
 
@@ -100,8 +107,11 @@ def test_streamed_kv_serves_equal_to_offline(
             groups = [e for e in events if e.startswith("kv group")]
             assert len(groups) >= 2, events  # groups moved while later chunks computed
             assert any(e.startswith("kv landed") for e in events), events
-            # The decode node was engaged before the prompt was done.
+            # The decode node was engaged before the prompt was done, and each boundary is
+            # there once, in causal order.
             assert events.index("decode reserved") < events.index("prefill done"), events
+            chain = [e for e in events if e in STREAMED_ROWS]
+            assert chain == STREAMED_ROWS, events
             _, decode = _nodes(cluster)
             assert await metric(session, decode.url, "pdserve_kv_exposed_seconds_count") >= 1
 

@@ -25,7 +25,9 @@ from tests.support.http import http_json
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-# Causal order of a disaggregated request's boundaries, with the owner of each.
+# Causal order of a disaggregated request's boundaries, with the owner of each, without KV
+# streaming (this module's proxy runs with it off; tests/e2e/test_kv_streaming.py checks the
+# streamed order).
 DISAGG_ROWS = [
     ("received", "proxy"),
     ("validated", "proxy"),
@@ -50,7 +52,7 @@ DISAGG_ROWS = [
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
-    c = start_cluster(tiny_model_dir, (1, 1, 0))
+    c = start_cluster(tiny_model_dir, (1, 1, 0), proxy_args={"kv_streaming": "off"})
     try:
         yield c
     finally:

@@ -162,10 +162,15 @@ class Cluster:
 
 
 def start_cluster(
-    model_dir: Path, topology: Topology, token: str | None = None, **engine: object
+    model_dir: Path,
+    topology: Topology,
+    token: str | None = None,
+    proxy_args: dict[str, Any] | None = None,
+    **engine: object,
 ) -> Cluster:
-    """A cluster of `topology` nodes behind one proxy, every node started at once; if any
-    fails to come up, everything started is stopped before the error propagates."""
+    """A cluster of `topology` nodes behind one proxy (its extra flags: `proxy_args`), every
+    node started at once; if any fails to come up, everything started is stopped before the
+    error propagates."""
     cluster = Cluster(model_dir, token=token, **engine)
     try:
         n_p, n_d, n_c = topology
@@ -173,7 +178,7 @@ def start_cluster(
         decode = [cluster.node("decode", f"decode-{i}", wait=False) for i in range(n_d)]
         both = [cluster.node("both", f"both-{i}", wait=False) for i in range(n_c)]
         cluster.wait_all()
-        cluster.start_proxy(prefill=prefill, decode=decode, colocated=both)
+        cluster.start_proxy(prefill=prefill, decode=decode, colocated=both, **(proxy_args or {}))
     except BaseException:
         cluster.close()
         raise
