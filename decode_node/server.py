@@ -172,6 +172,7 @@ class DecodeNode(TransferNode):
         first_token = msg.first_token_id
         if entry.first_token is not None:  # streamed: the token may still be on its way
             first_token = await self._until(entry.first_token, deadline)
+            landed_at = time.time()  # both here (the token is sent before the last group)
             exposed = max(0.0, landed_at - entry.sampled_at)
             self.metrics.kv_exposed_seconds.observe(exposed)
             groups = entry.groups + 1  # (the last one landed with this)

@@ -35,7 +35,7 @@ from common.node.server import (
 )
 from common.node.transfer import TransferNode
 from common.wire.errors import ApiError
-from common.wire.messages import KVAborted, KVFirstToken, TransferRequest
+from common.wire.messages import KVAborted, TransferRequest
 from common.wire.node_messages import (
     KVHandle,
     LeaseExtend,
@@ -58,7 +58,7 @@ from kv_transfer import (
 )
 from prefill_node.held import HeldKV, HeldState
 from prefill_node.lease import Lease
-from prefill_node.streamed import KVStreamer
+from prefill_node.streamed import KVStreamer, first_token
 
 log = logging.getLogger(__name__)
 
@@ -395,21 +395,12 @@ class PrefillNode(TransferNode):
             return
         try:
             if entry.stream is not None:  # streamed KV: the decode node has no first token
-                self.agent.send(peer_id, self._first_token(entry))
+                self.agent.send(peer_id, first_token(entry))
             src = record.blocks[req.skip_blocks :]  # what the decode node does not have
             self.agent.write(req.request_id, peer_id, src, req.dst_block_ids)
         except TransferRejected as e:  # aborted (a cancel came first) or the peer is gone
             self._tell_aborted(peer_id, req.request_id, str(e))
             self._release(entry, f"write refused: {e}")
-
-    @staticmethod
-    def _first_token(entry: HeldKV) -> KVFirstToken:
-        assert entry.stream is not None and entry.stream.first_token is not None
-        return KVFirstToken(
-            request_id=entry.request_id,
-            token_id=entry.stream.first_token,
-            sampled_at=entry.stream.sampled_at,
-        )
 
     def _tell_aborted(self, peer_id: str, request_id: str, reason: str) -> None:
         with contextlib.suppress(TransferRejected):  # the peer is gone: nothing to tell

@@ -63,13 +63,8 @@ class KVStreamer:
     def last(self, entry: HeldKV, held_blocks: list[int]) -> None:
         """STREAMING -> SENDING: the first token is sampled; send it and the rest."""
         assert entry.stream is not None and entry.peer_id is not None
-        token = entry.stream.first_token
-        assert token is not None, entry.request_id
         try:
-            message = KVFirstToken(
-                request_id=entry.request_id, token_id=token, sampled_at=entry.stream.sampled_at
-            )
-            self.agent.send(entry.peer_id, message)
+            self.agent.send(entry.peer_id, first_token(entry))
         except TransferRejected as e:  # the peer is gone: the transfer fails as well
             log.info("first token of %s not sent: %s", entry.request_id, e)
         entry.transition(HeldState.SENDING)
@@ -102,3 +97,13 @@ class KVStreamer:
             "%s: kv group %d (%d blocks%s) written", entry.request_id, st.groups, len(src),
             ", the last" if final else "",
         )  # fmt: skip
+
+
+def first_token(entry: HeldKV) -> KVFirstToken:
+    """The message that gives a streamed prefill's first token to its decode node."""
+    assert entry.stream is not None and entry.stream.first_token is not None, entry.request_id
+    return KVFirstToken(
+        request_id=entry.request_id,
+        token_id=entry.stream.first_token,
+        sampled_at=entry.stream.sampled_at,
+    )

@@ -119,3 +119,34 @@ def test_without_streaming_nothing_is_pinned(tiny_model_dir: Path) -> None:
     prefill.release_held("h")
     _drain(prefill)
     assert prefill.state()["blocks"]["free"] == 64
+
+
+def test_a_preempted_streamed_prompt_keeps_its_pins_and_finishes(tiny_model_dir: Path) -> None:
+    """The first prompt's KV stays held (its transfer is slow) while the second computes in
+    what is left of a small cache: the second is preempted (its own references freed), its
+    pinned blocks stay held, and once the first is released it recomputes (from its pinned,
+    cached blocks) to its first token, the books balanced at every step."""
+    config = EngineConfig(
+        model=str(tiny_model_dir), num_blocks=13, block_size=BS, max_num_batched_tokens=24
+    )
+    prefill = LLMEngine(config)
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    prefill.add_request("first", list(range(10, 70)), sp, True, True)  # 60 tokens: 8 blocks
+    prefill.add_request("second", list(range(100, 160)), sp, True, True)
+    held: dict[str, int] = {}
+    released = False
+    for _ in range(100):
+        if len(held) == 2:
+            break
+        for out in _step(prefill):
+            if out.kind is OutputKind.HELD:
+                held[out.request_id] = len(out.held_blocks or [])
+        if prefill.scheduler.num_preemptions and not released:
+            pinned = prefill.record("second")
+            assert pinned is not None and pinned.pinned  # kept through the preemption
+            prefill.release_held("first")
+            released = True
+    assert held == {"first": 8, "second": 8} and released
+    prefill.release_held("second")
+    _drain(prefill)
+    assert prefill.state()["blocks"]["free"] == 13
