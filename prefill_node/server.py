@@ -68,7 +68,8 @@ class PrefillNode(TransferNode):
 
     def __init__(self, config: NodeConfig, runtime: NodeRuntime, agent: KVTransferAgent) -> None:
         super().__init__(config, runtime, agent)
-        self.streamer = KVStreamer(agent, self.metrics, self._refused)
+        delay = config.debug_transfer_delay_s
+        self.streamer = KVStreamer(agent, self.metrics, self._refused, self.spawn, delay)
 
     def start_role(self) -> None:
         super().start_role()

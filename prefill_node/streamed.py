@@ -17,9 +17,10 @@ Everything here runs on the node's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from common.node.metrics import NodeMetrics
 from common.wire.messages import KVFirstToken, TransferRequest
@@ -38,10 +39,17 @@ class KVStreamer:
         agent: KVTransferAgent,
         metrics: NodeMetrics,
         refused: Callable[[HeldKV, str], None],
+        spawn: Callable[[Awaitable[None], str], object],
+        last_delay_s: float = 0.0,
     ) -> None:
+        """`spawn(coro, name)` starts a task the node owns; `last_delay_s` (fault injection,
+        --debug-transfer-delay) posts each last group that late, so that a test can catch
+        a request after its last group was committed."""
         self.agent = agent
         self.metrics = metrics
         self.refused = refused
+        self.spawn = spawn
+        self.last_delay_s = last_delay_s
 
     def start(self, entry: HeldKV, peer_id: str, req: TransferRequest) -> None:
         """COMPUTING -> STREAMING: the destination is known; write what is computed."""
@@ -69,7 +77,18 @@ class KVStreamer:
             log.info("first token of %s not sent: %s", entry.request_id, e)
         entry.transition(HeldState.SENDING)
         entry.sent_at = time.monotonic()
-        self._write(entry, held_blocks, final=True)
+        if self.last_delay_s:
+            self.spawn(self._last_later(entry, held_blocks), f"write-{entry.request_id}")
+        else:
+            self._write(entry, held_blocks, final=True)
+
+    async def _last_later(self, entry: HeldKV, held_blocks: list[int]) -> None:
+        await asyncio.sleep(self.last_delay_s)
+        assert entry.stream is not None
+        if entry.state is HeldState.SENDING:
+            self._write(entry, held_blocks, final=True)
+        elif entry.state is HeldState.CANCELLING and not entry.stream.opened:
+            self.refused(entry, "cancelled before the write")  # (opened: its abort ends it)
 
     def _write(self, entry: HeldKV, blocks: list[int], final: bool) -> None:
         st = entry.stream

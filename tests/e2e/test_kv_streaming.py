@@ -2,11 +2,12 @@
 
 A 1P1D cluster of real processes whose prefill node computes at most 32 prompt tokens a
 step and sleeps 0.1 s after each, so a 300-token prompt takes ten steps, and its finished
-block groups move to the decode node while later chunks compute. Checked: the output equals
+block groups move to the decode node while later chunks compute; the last group is posted
+1 s late, so a request can be caught after it was committed. Checked: the output equals
 the offline engine's on every KV backend; the trace shows the groups and the exposed time;
-a cancel while groups are moving, a cancel before any decode node asked, the prefill call
-dropped, and a lease that lapses on KV nobody asked for all end with every node's allocator
-at its baseline (through /state).
+a cancel while groups are moving, one after the last group, one before any decode node
+asked, the prefill call dropped, and a lease that lapses on KV nobody asked for all end with
+every node's allocator at its baseline (through /state).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ STREAMED_ROWS = [
     "first decode token", "finished", "stream closed",
 ]  # fmt: skip
 STEP_DELAY_S = 0.1
+LAST_GROUP_DELAY_S = 1.0  # the last group is posted this late (fault injection)
 
 
 def _start(model_dir: Path, backend: str) -> Cluster:
@@ -54,7 +56,7 @@ def _start(model_dir: Path, backend: str) -> Cluster:
     try:
         prefill = cluster.node(
             "prefill", "prefill", wait=False, max_num_batched_tokens=CHUNK,
-            debug_step_delay=STEP_DELAY_S,
+            debug_step_delay=STEP_DELAY_S, debug_transfer_delay=LAST_GROUP_DELAY_S,
         )  # fmt: skip
         decode = cluster.node("decode", "decode", wait=False)
         cluster.wait_all()
@@ -145,6 +147,34 @@ def test_cancel_while_groups_are_moving(
         await target.drop()
         await _baseline(session, streaming)
         body = greedy_body(corpus_prompt(tokenizer, 300, 1500), 10)
+        res = await Request(session, url, body).wait()
+        assert res.text == offline_text(tokenizer, offline_token_ids, body), res
+
+    run_with_session(main)
+    streaming.wait_baseline(timeout=10.0)
+
+
+def test_cancel_after_the_last_group_was_committed(
+    streaming: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
+) -> None:
+    """The prompt is done and its last group committed (SENDING, posted late): the client
+    goes; the write is aborted or finished, then both nodes free everything."""
+    prefill, decode = _nodes(streaming)
+    assert streaming.proxy is not None
+    url = streaming.proxy.url
+
+    async def main(session: aiohttp.ClientSession) -> None:
+        target = Request(session, url, greedy_body(corpus_prompt(tokenizer, 300, 2200), 8))
+
+        async def committed() -> bool:
+            p = (await get_json(session, f"{prefill.url}/state"))["requests"]
+            d = (await get_json(session, f"{decode.url}/state"))["requests"]
+            return p["held"] == 1 and p["transferring"] == 1 and d["reserved"] == 1
+
+        await until(committed, 60.0, "the last group committed, not yet landed")
+        await target.drop()
+        await _baseline(session, streaming)
+        body = greedy_body(corpus_prompt(tokenizer, 300, 2600), 10)
         res = await Request(session, url, body).wait()
         assert res.text == offline_text(tokenizer, offline_token_ids, body), res
 
