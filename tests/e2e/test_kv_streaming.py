@@ -124,6 +124,31 @@ def test_streamed_kv_serves_equal_to_offline(
             cluster.close()
 
 
+def test_a_second_turn_streams_only_the_blocks_the_decode_node_lacks(
+    streaming: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
+) -> None:
+    """Delta transfer with streaming: the decode node has turn one cached, so turn two's
+    streamed groups skip those blocks, and its output is the offline engine's."""
+    assert streaming.proxy is not None
+    proxy = streaming.proxy
+    turn1 = corpus_prompt(tokenizer, 200, 3500)
+
+    async def main(session: aiohttp.ClientSession) -> None:
+        first = await Request(session, proxy.url, greedy_body(turn1, 8)).wait()
+        body = greedy_body(turn1 + first.text + corpus_prompt(tokenizer, 150, 4200), 8)
+        second = await Request(session, proxy.url, body).wait()
+        assert second.text == offline_text(tokenizer, offline_token_ids, body), second
+        events = [r["event"] for r in await _trace(session, proxy, second.headers["X-Request-Id"])]
+        assert any(e.startswith("decode cache hit") for e in events), events
+        assert any(e.startswith("kv group") for e in events), events
+        moved = next(e for e in events if e.startswith("kv moved"))
+        n_moved, n_total = (int(x) for x in moved.split()[2:5:2])
+        assert n_moved < n_total, moved
+
+    run_with_session(main)
+    streaming.wait_baseline(timeout=10.0)
+
+
 def test_cancel_while_groups_are_moving(
     streaming: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:
