@@ -82,6 +82,7 @@ class Incoming:
     first_token: asyncio.Future[int] | None = None
     sampled_at: float = 0.0
     groups: int = 0  # streamed KV: writes landed before the last one
+    progress_at: float = 0.0  # monotonic: the transfer's start, or its last group landed
     events: list[tuple[str, float]] = field(default_factory=list)  # for the trace
     created: float = field(default_factory=time.monotonic)
 

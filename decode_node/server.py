@@ -158,8 +158,8 @@ class DecodeNode(TransferNode):
         entry.peer_id = peer_id
         entry.transition(IncomingState.RECEIVING)
         entry.events.append(("transfer start", time.time()))
-        deadline = time.monotonic() + self.config.kv_wait_timeout_s
-        landed = await self._until(entry.done, deadline)
+        entry.progress_at = time.monotonic()
+        landed = await self._until(entry, entry.done)
         if not landed:
             code = "cancelled" if entry.cancelled else "kv_failed"
             raise ApiError(
@@ -171,7 +171,7 @@ class DecodeNode(TransferNode):
         landed_at = time.time()
         first_token = msg.first_token_id
         if entry.first_token is not None:  # streamed: the token may still be on its way
-            first_token = await self._until(entry.first_token, deadline)
+            first_token = await self._until(entry, entry.first_token)
             landed_at = time.time()  # both here (the token is sent before the last group)
             exposed = max(0.0, landed_at - entry.sampled_at)
             self.metrics.kv_exposed_seconds.observe(exposed)
@@ -189,15 +189,22 @@ class DecodeNode(TransferNode):
         self.metrics.transfer_bytes.observe(nbytes)
         return first_token
 
-    async def _until(self, future: asyncio.Future[T], deadline: float) -> T:
-        """`future`'s result, waited for until `deadline` (monotonic), else a kv_timeout."""
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), deadline - time.monotonic())
-        except TimeoutError:
-            self.metrics.kv_wait_timeouts.inc()
-            raise ApiError(
-                504, "KV did not arrive in time", type=SERVER_ERROR, code="kv_timeout"
-            ) from None
+    async def _until(self, entry: Incoming, future: asyncio.Future[T]) -> T:
+        """`future`'s result, else a kv_timeout once nothing of the KV came for
+        --kv-wait-timeout (streamed KV: each landed group is progress, so a long prompt may
+        compute for longer than that)."""
+        timeout = self.config.kv_wait_timeout_s
+        while True:
+            left = entry.progress_at + timeout - time.monotonic()
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), max(0.0, left))
+            except TimeoutError:
+                if entry.progress_at + timeout > time.monotonic():
+                    continue  # a group landed meanwhile
+                self.metrics.kv_wait_timeouts.inc()
+                raise ApiError(
+                    504, "KV did not arrive in time", type=SERVER_ERROR, code="kv_timeout"
+                ) from None
 
     async def _peer(self, address: str) -> str:
         peer_id = self._peers.get(address)
@@ -266,6 +273,7 @@ class DecodeNode(TransferNode):
                 entry = self._entry(request_id)
                 if entry is not None:
                     entry.groups += 1
+                    entry.progress_at = time.monotonic()
                     self.metrics.kv_groups.inc()
                     row = f"kv group {entry.groups} moved: {landed} of {total} blocks landed"
                     entry.events.append((row, time.time()))
@@ -292,6 +300,7 @@ class DecodeNode(TransferNode):
             entry.first_token.set_exception(error)
             return
         entry.sampled_at = msg.sampled_at
+        entry.progress_at = time.monotonic()
         entry.first_token.set_result(msg.token_id)
 
     def _terminal(self, request_id: str, landed: bool, failure: str) -> None:
