@@ -77,6 +77,12 @@ class Incoming:
     failure: str = ""
     quiescent: bool = False  # the layer's terminal event came: nothing can land any more
     skip_blocks: int = 0  # leading blocks already cached here: not transferred
+    # Streamed KV: the first token, from the prefill node that owns the transfer (checked),
+    # and when it was sampled there (its wall clock); None when the DecodeRequest had it.
+    first_token: asyncio.Future[int] | None = None
+    sampled_at: float = 0.0
+    groups: int = 0  # streamed KV: writes landed before the last one
+    progress_at: float = 0.0  # monotonic: the transfer's start, or its last group landed
     events: list[tuple[str, float]] = field(default_factory=list)  # for the trace
     created: float = field(default_factory=time.monotonic)
 

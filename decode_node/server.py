@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TypeVar
 
 from aiohttp import web
 
+from common.engine.engine import RequestError
 from common.engine.scheduler import StepOutput
 from common.node.server import (
     NodeConfig,
@@ -30,13 +32,16 @@ from common.node.server import (
 )
 from common.node.transfer import TransferNode
 from common.wire.errors import SERVER_ERROR, ApiError
+from common.wire.messages import KVFirstToken
 from common.wire.node_messages import DecodeRequest, NodeEvent
 from common.wire.stage import Stage
 from decode_node.incoming import IN_FLIGHT, Incoming, IncomingState
 from kv_transfer import (
     HandshakeError,
+    KVProgress,
     KVReceived,
     KVTransferAgent,
+    MessageReceived,
     PeerLost,
     Quiescent,
     TransferEvent,
@@ -46,6 +51,8 @@ from kv_transfer import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class DecodeNode(TransferNode):
@@ -98,7 +105,11 @@ class DecodeNode(TransferNode):
         if blocks is None:
             raise ApiError(503, "decode node is full", type=SERVER_ERROR, code="decode_full")
         assert len(blocks) == msg.kv.num_blocks, (len(blocks), msg.kv)  # validate_prefilled
-        entry = Incoming(msg.request_id, len(blocks), asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        entry = Incoming(msg.request_id, len(blocks), loop.create_future())
+        if msg.first_token_id is None:  # streamed KV: the token comes with it
+            entry.first_token = loop.create_future()
+            entry.first_token.add_done_callback(_retrieve)
         entry.events += [("decode received", received), ("decode reserved", time.time())]
         record = self.engine.record(msg.request_id)
         assert record is not None and record.transfer is None, msg.request_id
@@ -111,7 +122,7 @@ class DecodeNode(TransferNode):
         resp = ndjson_response()
         try:
             await resp.prepare(request)
-            await self._receive(entry, msg, blocks)
+            first_token = await self._receive(entry, msg, blocks)
         except ApiError as err:
             self._abandon(entry)
             self.metrics.requests.labels(outcome=err.code or "failed").inc()
@@ -121,7 +132,7 @@ class DecodeNode(TransferNode):
             self._abandon(entry)
             raise
         outputs = self.front.decode_prefilled(
-            msg.request_id, msg.prompt_token_ids, msg.first_token_id, msg.sampling
+            msg.request_id, msg.prompt_token_ids, first_token, msg.sampling
         )
         self.metrics.requests.labels(outcome="admitted").inc()
 
@@ -134,8 +145,9 @@ class DecodeNode(TransferNode):
             request, msg.request_id, outputs, resp, first, self.metrics.token_gap.observe
         )
 
-    async def _receive(self, entry: Incoming, msg: DecodeRequest, blocks: list[int]) -> None:
-        """Pull the KV into `blocks`; return once it landed (LANDED), else raise ApiError."""
+    async def _receive(self, entry: Incoming, msg: DecodeRequest, blocks: list[int]) -> int:
+        """Pull the KV into `blocks`; once it landed (LANDED), the first token; else raise
+        ApiError."""
         peer_id = await self._peer(msg.kv.side_channel)
         if entry.cancelled:
             raise ApiError(409, f"request {entry.request_id} was cancelled", code="cancelled")
@@ -154,15 +166,8 @@ class DecodeNode(TransferNode):
         entry.peer_id = peer_id
         entry.transition(IncomingState.RECEIVING)
         entry.events.append(("transfer start", time.time()))
-        try:
-            landed = await asyncio.wait_for(
-                asyncio.shield(entry.done), self.config.kv_wait_timeout_s
-            )
-        except TimeoutError:
-            self.metrics.kv_wait_timeouts.inc()
-            raise ApiError(
-                504, "KV did not arrive in time", type=SERVER_ERROR, code="kv_timeout"
-            ) from None
+        entry.progress_at = time.monotonic()
+        landed = await self._until(entry, entry.done)
         if not landed:
             code = "cancelled" if entry.cancelled else "kv_failed"
             raise ApiError(
@@ -171,14 +176,43 @@ class DecodeNode(TransferNode):
                 type=SERVER_ERROR,
                 code=code,
             )
+        landed_at = time.time()
+        first_token = msg.first_token_id
+        if entry.first_token is not None:  # streamed: the token may still be on its way
+            first_token = await self._until(entry, entry.first_token)
+            landed_at = time.time()  # both here (the token is sent before the last group)
+            exposed = max(0.0, landed_at - entry.sampled_at)
+            self.metrics.kv_exposed_seconds.observe(exposed)
+            groups = entry.groups + 1  # (the last one landed with this)
+            row = f"kv landed {exposed * 1e3:.1f} ms after the first token ({groups} groups)"
+            entry.events.append((row, landed_at))
+        assert first_token is not None
         entry.transition(IncomingState.LANDED)  # from here the blocks are the sequence's
-        entry.events.append(("transfer done", time.time()))
+        entry.events.append(("transfer done", landed_at))
         moved = len(blocks) - entry.skip_blocks
         nbytes = moved * self.engine.block_bytes
         entry.events.append((f"kv moved {moved} of {len(blocks)} blocks, {nbytes} B", time.time()))
         self.metrics.kv_blocks_cached.inc(entry.skip_blocks)
         self.metrics.kv_blocks_transferred.inc(moved)
         self.metrics.transfer_bytes.observe(nbytes)
+        return first_token
+
+    async def _until(self, entry: Incoming, future: asyncio.Future[T]) -> T:
+        """`future`'s result, else a kv_timeout once nothing of the KV came for
+        --kv-wait-timeout (streamed KV: each landed group is progress, so a long prompt may
+        compute for longer than that)."""
+        timeout = self.config.kv_wait_timeout_s
+        while True:
+            left = entry.progress_at + timeout - time.monotonic()
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), max(0.0, left))
+            except TimeoutError:
+                if entry.progress_at + timeout > time.monotonic():
+                    continue  # a group landed meanwhile
+                self.metrics.kv_wait_timeouts.inc()
+                raise ApiError(
+                    504, "KV did not arrive in time", type=SERVER_ERROR, code="kv_timeout"
+                ) from None
 
     async def _peer(self, address: str) -> str:
         peer_id = self._peers.get(address)
@@ -243,8 +277,39 @@ class DecodeNode(TransferNode):
                     entry.done.set_result(False)  # the handler gives up; blocks stay held
             case PeerLost(peer_id):
                 self._peers = {a: p for a, p in self._peers.items() if p != peer_id}
+            case KVProgress(request_id, _, landed, total):
+                entry = self._entry(request_id)
+                if entry is not None:
+                    entry.groups += 1
+                    entry.progress_at = time.monotonic()
+                    self.metrics.kv_groups.inc()
+                    row = f"kv group {entry.groups} moved: {landed} of {total} blocks landed"
+                    entry.events.append((row, time.time()))
+            case MessageReceived(peer_id, KVFirstToken() as msg):
+                self._on_first_token(peer_id, msg)
             case _:
                 pass
+
+    def _on_first_token(self, peer_id: str, msg: KVFirstToken) -> None:
+        """Streamed KV: accepted only for an expected transfer, from the peer that owns it,
+        and only a token in the vocabulary."""
+        entry = self._entry(msg.request_id)
+        if entry is None or entry.first_token is None or entry.peer_id != peer_id:
+            log.warning("first token for %s from %s refused: no such transfer from it",
+                        msg.request_id, peer_id)  # fmt: skip
+            return
+        if entry.first_token.done():
+            return
+        try:
+            self.engine.check_token(msg.token_id)
+        except RequestError as e:  # the handler fails; the blocks go once quiescent
+            log.warning("first token for %s from %s refused: %s", msg.request_id, peer_id, e)
+            error = ApiError(502, f"bad first token: {e}", type=SERVER_ERROR, code="kv_failed")
+            entry.first_token.set_exception(error)
+            return
+        entry.sampled_at = msg.sampled_at
+        entry.progress_at = time.monotonic()
+        entry.first_token.set_result(msg.token_id)
 
     def _terminal(self, request_id: str, landed: bool, failure: str) -> None:
         entry = self._entry(request_id)
@@ -256,6 +321,12 @@ class DecodeNode(TransferNode):
             self._free(entry)
         elif not entry.done.done():
             entry.done.set_result(landed)
+
+
+def _retrieve(future: asyncio.Future[int]) -> None:
+    """A first token's error is seen even if the transfer failed first (no GC warning)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _freed(transfer: object) -> bool:

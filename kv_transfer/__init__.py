@@ -17,6 +17,7 @@ from kv_transfer.errors import (
 )
 from kv_transfer.events import (
     FailureReason,
+    KVProgress,
     KVReceived,
     MessageReceived,
     PeerConnected,
@@ -34,6 +35,7 @@ __all__ = [
     "TransportError",
     "FailureReason",
     "HandshakeError",
+    "KVProgress",
     "KVReceived",
     "KVTransferAgent",
     "MessageReceived",

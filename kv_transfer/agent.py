@@ -51,6 +51,7 @@ from kv_transfer.progress import (
     Command,
     ConnectCmd,
     ExpectCmd,
+    MoreCmd,
     ProgressLoop,
     SendCmd,
     WriteCmd,
@@ -165,6 +166,7 @@ class KVTransferAgent:
         peer_id: str,
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
+        final: bool = True,
     ) -> None:
         """Start writing local blocks src_block_ids[i] into the peer's dst_block_ids[i].
 
@@ -172,6 +174,10 @@ class KVTransferAgent:
         and this side one terminal event (TransferDone, TransferFailed, or Quiescent
         after abort()). Raises TransferRejected for bad ids, an unknown peer, a
         request id already in flight, or one that was aborted.
+
+        `final=False` opens a streamed write: these blocks are its first segment, and
+        `write_more` gives the next ones, the last with `final=True`. The peer hears
+        KVProgress per segment landed (while its expected blocks are not all in).
         """
         self._check_open()
         src = check_block_ids(src_block_ids, self.layout.num_blocks, "src_block_ids")
@@ -183,10 +189,34 @@ class KVTransferAgent:
             raise TransferRejected(f"{src.size} source blocks but {dst.size} destinations")
         self._claim(request_id, peer_id)
         nbytes = src.size * self.layout.block_bytes
-        xfer = OutgoingTransfer(request_id, peer_id, src, dst, nbytes)
+        xfer = OutgoingTransfer(request_id, peer_id, src, dst, nbytes, final=final)
         if nbytes <= self.config.inline_write_max_bytes and self._loop.try_inline(xfer):
             return  # posted (and, for a small nixl write, finished) in this call
         self._submit(WriteCmd(xfer))
+
+    def write_more(
+        self,
+        request_id: str,
+        peer_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        final: bool,
+    ) -> None:
+        """The next segment of the streamed write of request_id (opened by
+        `write(final=False)`), posted once the segments before it landed. Raises
+        TransferRejected for bad ids or when the write has ended (its terminal event is
+        then on its way); a segment given while an abort is being handled is dropped."""
+        self._check_open()
+        if request_id not in self._registry.active:
+            raise TransferRejected(f"request {request_id!r} has no open write")
+        src = check_block_ids(src_block_ids, self.layout.num_blocks, "src_block_ids")
+        region = self._registry.peers.get(peer_id)
+        if region is None:
+            raise TransferRejected(f"unknown peer {peer_id!r}")
+        dst = check_block_ids(dst_block_ids, region.num_blocks, "dst_block_ids")
+        if src.size != dst.size:
+            raise TransferRejected(f"{src.size} source blocks but {dst.size} destinations")
+        self._submit(MoreCmd(request_id, src, dst, final))
 
     def request_transfer(
         self,

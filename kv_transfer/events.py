@@ -11,7 +11,8 @@ reported once the transfer is quiescent: no byte of it will be read from the
 source or written to the destination any more, so the owner may free the blocks
 when it sees it. A write nobody asked for still reports KVReceived on landing.
 
-One event is not terminal: TransferLost, on the receiver, when the sender was lost while
+Two events are not terminal: KVProgress (a streamed transfer's write landed, more are to
+come), and TransferLost, on the receiver, when the sender was lost while
 a one-sided backend (nixl) could still let its write land. The request has failed (the
 owner may give up on it at once) but the blocks stay quarantined: the terminal event
 follows once the sender answered that no write is in progress, or was replaced by a new
@@ -62,6 +63,17 @@ class TransferLost:
 
 
 @dataclass(frozen=True, slots=True)
+class KVProgress:
+    """Receiver, streamed transfer: one write of it landed (`landed` of `total` blocks are
+    in); not terminal: KVReceived follows once all are."""
+
+    request_id: str
+    peer_id: str
+    landed: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
 class KVReceived:
     """Receiver: the notification for request_id arrived; its blocks hold the data."""
 
@@ -103,6 +115,7 @@ TransferEvent = (
     | TransferFailed
     | TransferLost
     | KVReceived
+    | KVProgress
     | Quiescent
     | PeerConnected
     | PeerLost

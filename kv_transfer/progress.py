@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 import zmq
 
 from common.wire.messages import (
@@ -68,6 +69,16 @@ class WriteCmd:
 
 
 @dataclass(frozen=True, slots=True)
+class MoreCmd:
+    """The next segment of a streamed write."""
+
+    request_id: str
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ExpectCmd:
     incoming: IncomingTransfer
     request: Message
@@ -84,7 +95,7 @@ class SendCmd:
     message: Message
 
 
-Command = ConnectCmd | WriteCmd | ExpectCmd | AbortCmd | SendCmd
+Command = ConnectCmd | WriteCmd | MoreCmd | ExpectCmd | AbortCmd | SendCmd
 
 
 class ProgressLoop:
@@ -118,6 +129,7 @@ class ProgressLoop:
         self._run_cmd: dict[type, Callable] = {
             ConnectCmd: lambda c: self.conns.connect(c.address, c.future),
             WriteCmd: lambda c: self.book.submit(c.xfer, c.xfer.peer_id in self.conns.peers),
+            MoreCmd: lambda c: self.book.more(c.request_id, c.src_ids, c.dst_ids, c.final),
             ExpectCmd: lambda c: self.book.expect(c.incoming, c.request),
             AbortCmd: lambda c: self.book.abort(c.request_id),
             SendCmd: self._send_cmd,

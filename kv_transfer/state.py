@@ -7,6 +7,12 @@ Sender side, one OutgoingTransfer per write():
       │ abort ───────────────────────────────────────────────────────> ABORTED
       └ peer lost / close ───> FAILED <─── peer lost / backend error ──┘
 
+A streamed write (write(final=False), then write_more()) is one record whose segments are
+posted one after the other: a segment done with more given goes POSTED -> QUEUED, with none
+given yet POSTED -> IDLE (nothing in flight; write_more() queues the next: IDLE -> QUEUED,
+abort / peer lost: IDLE -> ABORTED | FAILED). Only the final segment's completion is DONE;
+an aborted stream whose posted segment completes is ABORTED.
+
 Receiver side, one IncomingTransfer per request_transfer():
 
     EXPECTED ──notification──> LANDED
@@ -21,6 +27,7 @@ Receiver side, one IncomingTransfer per request_transfer():
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -34,6 +41,7 @@ from common.wire.fsm import Transitions
 class OutState(str, Enum):
     QUEUED = "queued"
     POSTED = "posted"
+    IDLE = "idle"  # a streamed write between segments: nothing posted, more to come
     ABORTING = "aborting"
     DONE = "done"
     ABORTED = "aborted"
@@ -59,7 +67,10 @@ _OUT: Transitions[OutState] = Transitions(
     "outgoing transfer",
     {
         OutState.QUEUED: frozenset({OutState.POSTED, OutState.ABORTED, OutState.FAILED}),
-        OutState.POSTED: frozenset({OutState.DONE, OutState.ABORTING, OutState.FAILED}),
+        OutState.POSTED: frozenset(
+            {OutState.DONE, OutState.ABORTING, OutState.FAILED, OutState.QUEUED, OutState.IDLE}
+        ),
+        OutState.IDLE: frozenset({OutState.QUEUED, OutState.ABORTED, OutState.FAILED}),
         OutState.ABORTING: frozenset({OutState.DONE, OutState.ABORTED, OutState.FAILED}),
         OutState.DONE: frozenset(),
         OutState.ABORTED: frozenset(),
@@ -101,10 +112,19 @@ class OutgoingTransfer:
     abort_origin: AbortOrigin = AbortOrigin.NONE
     handle: Any = None  # the backend's in-flight object while POSTED / ABORTING
     created_at: float = field(default_factory=time.monotonic)
+    # Streamed writes: whether the segment in src_ids/dst_ids is the last one, and the
+    # segments given after it, not yet posted: (src_ids, dst_ids, final).
+    final: bool = True
+    pending: deque[tuple[np.ndarray, np.ndarray, bool]] = field(default_factory=deque)
 
     @property
     def terminal(self) -> bool:
         return _OUT.terminal(self.state)
+
+    def next_segment(self) -> None:
+        """Load the oldest pending segment (the posted one completed) and queue it."""
+        self.src_ids, self.dst_ids, self.final = self.pending.popleft()
+        self.transition(OutState.QUEUED)
 
     def transition(self, new: OutState) -> None:
         self.state = _OUT.move(self.request_id, self.state, new)
@@ -118,6 +138,7 @@ class IncomingTransfer:
     state: InState = InState.EXPECTED
     created_at: float = field(default_factory=time.monotonic)
     aborted_locally: bool = False  # the owner called abort(): its terminal event is Quiescent
+    landed_blocks: int = 0  # a streamed transfer lands in several writes: blocks in so far
 
     @property
     def terminal(self) -> bool:

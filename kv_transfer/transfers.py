@@ -32,6 +32,7 @@ from kv_transfer.backends.base import (
 from kv_transfer.errors import TransportError
 from kv_transfer.events import (
     FailureReason,
+    KVProgress,
     KVReceived,
     Quiescent,
     TransferDone,
@@ -98,6 +99,33 @@ class TransferBook:
             return
         self._queues[xfer.peer_id].append(xfer)  # posted by pump(), after the whole batch
         # of commands it came with: an abort in the same batch stops it before it starts
+
+    def more(self, request_id: str, src: np.ndarray, dst: np.ndarray, final: bool) -> None:
+        """The next segment of a streamed write: posted once the one before it completed."""
+        xfer = self.out.get(request_id)
+        if xfer is None or xfer.final or xfer.state is OutState.ABORTING:
+            # Ended (its terminal event is on its way to the owner) or being aborted.
+            log.debug("segment of %s dropped: its write is ending", request_id)
+            return
+        if xfer.pending and xfer.pending[-1][2]:
+            log.warning("segment of %s after its final one dropped", request_id)
+            return
+        xfer.pending.append((src, dst, final))
+        if xfer.state is OutState.IDLE:
+            xfer.next_segment()
+            self._queues[xfer.peer_id].append(xfer)
+
+    def _segment_done(self, xfer: OutgoingTransfer) -> None:
+        """The posted segment of `xfer` landed: the write is DONE, or its next segment goes
+        (queued, or awaited in IDLE); an aborted stream ends here, quiescent."""
+        complete = xfer.final and not xfer.pending
+        if xfer.state is OutState.ABORTING or complete:
+            self._end_out(xfer, landed=complete)
+        elif xfer.pending:
+            xfer.next_segment()
+            self._queues[xfer.peer_id].appendleft(xfer)
+        else:
+            xfer.transition(OutState.IDLE)
 
     def pump(self) -> None:
         """Post queued writes, up to max_inflight per peer."""
@@ -176,7 +204,7 @@ class TransferBook:
                 continue
             self._inflight[xfer.peer_id] -= 1
             if isinstance(ev, WriteCompleted):
-                self._end_out(xfer, landed=True)
+                self._segment_done(xfer)
             else:
                 if ev.peer_lost and xfer.peer_id not in self._lost:
                     self._suspects.add(xfer.peer_id)
@@ -198,6 +226,11 @@ class TransferBook:
         if inc.peer_id != ev.peer_id:
             log.error("%s landed from %s, expected from %s", ev.request_id, ev.peer_id, inc.peer_id)
             return
+        total = len(inc.dst_ids)
+        inc.landed_blocks += ev.num_blocks or total
+        if inc.landed_blocks < total:  # one write of a streamed transfer: more to come
+            self.emit(KVProgress(ev.request_id, ev.peer_id, inc.landed_blocks, total))
+            return
         self._end_in(inc, InState.LANDED)
 
     def take_suspects(self) -> set[str]:
@@ -213,6 +246,9 @@ class TransferBook:
         now = self._lost[peer_id] = time.monotonic()
         for xfer in list(self._queues.pop(peer_id, ())):
             self._end_out(xfer, landed=False, reason=FailureReason.PEER_LOST, detail=reason)
+        for xfer in [x for x in self.out.values() if x.peer_id == peer_id]:
+            if xfer.state is OutState.IDLE:  # a stream between segments: nothing in flight
+                self._end_out(xfer, landed=False, reason=FailureReason.PEER_LOST, detail=reason)
         for xfer in self.out.values():
             if xfer.peer_id == peer_id and xfer.state in (OutState.POSTED, OutState.ABORTING):
                 self._orphans.setdefault(xfer.request_id, now)
@@ -299,6 +335,8 @@ class TransferBook:
         self.registry.tombstone(xfer.request_id, xfer.peer_id)
         if xfer.state is OutState.QUEUED:
             self._queues[xfer.peer_id].remove(xfer)
+            self._end_out(xfer, landed=False)
+        elif xfer.state is OutState.IDLE:  # a stream between segments: nothing in flight
             self._end_out(xfer, landed=False)
         elif xfer.state is OutState.POSTED:
             xfer.transition(OutState.ABORTING)

@@ -7,6 +7,11 @@ record) and answers with a KVHandle. A
 decode node then sends a TransferRequest over the KV-transfer side channel; the
 node WRITEs the held blocks into the named destination blocks and frees its own
 only when the transfer reports a terminal event (done, failed, quiescent).
+
+POST /internal/prefill_streamed streams the KV while the prompt computes (`streamed.py`):
+it answers NDJSON, a PrefillAccepted with the KV handle as soon as the engine computed the
+first chunk (so the proxy can engage a decode node while the rest computes), then the
+PrefillResult.
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ from aiohttp import web
 
 from common.engine.scheduler import OutputKind, StepOutput
 from common.engine.sequence import FinishReason
-from common.node.server import json_message, read_message
+from common.node.server import (
+    NodeConfig,
+    NodeRuntime,
+    json_message,
+    ndjson_response,
+    read_message,
+    write_error_line,
+)
 from common.node.transfer import TransferNode
 from common.wire.errors import ApiError
 from common.wire.messages import KVAborted, TransferRequest
@@ -29,11 +41,14 @@ from common.wire.node_messages import (
     LeaseExtend,
     LeaseExtendResult,
     NodeEvent,
+    PrefillAccepted,
     PrefillRequest,
     PrefillResult,
+    to_json,
 )
 from common.wire.stage import Stage
 from kv_transfer import (
+    KVTransferAgent,
     MessageReceived,
     Quiescent,
     TransferDone,
@@ -43,12 +58,18 @@ from kv_transfer import (
 )
 from prefill_node.held import HeldKV, HeldState
 from prefill_node.lease import Lease
+from prefill_node.streamed import KVStreamer, first_token
 
 log = logging.getLogger(__name__)
 
 
 class PrefillNode(TransferNode):
     role = "prefill"
+
+    def __init__(self, config: NodeConfig, runtime: NodeRuntime, agent: KVTransferAgent) -> None:
+        super().__init__(config, runtime, agent)
+        delay = config.debug_transfer_delay_s
+        self.streamer = KVStreamer(agent, self.metrics, self._refused, self.spawn, delay)
 
     def start_role(self) -> None:
         super().start_role()
@@ -62,6 +83,7 @@ class PrefillNode(TransferNode):
         return [
             *super().routes(),
             web.post("/internal/prefill", self.handle_prefill),
+            web.post("/internal/prefill_streamed", self.handle_prefill_streamed),
             web.post("/internal/extend", self.handle_extend),
         ]
 
@@ -127,7 +149,7 @@ class PrefillNode(TransferNode):
     def _result(self, msg: PrefillRequest, out: StepOutput) -> PrefillResult:
         (token,) = out.new_token_ids
         entry = self._entry(msg.request_id)
-        if entry is None:  # finished at its first token: nothing held
+        if entry is None or out.kind is not OutputKind.HELD:  # finished at its first token
             reason = out.finish_reason.wire_name if out.finish_reason is not None else None
             return PrefillResult(
                 request_id=msg.request_id,
@@ -136,7 +158,16 @@ class PrefillNode(TransferNode):
                 kv=None,
                 num_cached_tokens=out.num_cached_tokens or 0,
             )
-        kv = KVHandle(
+        return PrefillResult(
+            request_id=msg.request_id,
+            first_token_id=token,
+            finish_reason=None,
+            kv=self._handle(entry),
+            num_cached_tokens=out.num_cached_tokens or 0,
+        )
+
+    def _handle(self, entry: HeldKV) -> KVHandle:
+        return KVHandle(
             engine_id=self.engine_id,
             side_channel=self.agent.address,
             num_blocks=entry.num_blocks,
@@ -144,19 +175,103 @@ class PrefillNode(TransferNode):
             lease_deadline=time.time() + entry.lease.remaining(),
             transfer_key=entry.transfer_key,
         )
-        return PrefillResult(
-            request_id=msg.request_id,
-            first_token_id=token,
-            finish_reason=None,
-            kv=kv,
-            num_cached_tokens=out.num_cached_tokens or 0,
+
+    # -- streamed prefill ----------------------------------------------------------
+
+    async def handle_prefill_streamed(self, request: web.Request) -> web.StreamResponse:
+        self.check_admitting()
+        received = time.time()
+        msg = await read_message(request, PrefillRequest)
+        n = len(msg.prompt_token_ids)
+        lease = Lease.grant(msg.request_id, [], msg.lease_s)
+        entry = HeldKV.streamed(msg.request_id, -(-n // self.engine.config.block_size), n, lease)
+        outputs = self.front.generate(
+            msg.request_id, msg.prompt_token_ids, msg.sampling, True, True, transfer=entry
         )
+        events: list[NodeEvent] = [("prefill received", received)]
+        resp = ndjson_response()
+        final: StepOutput | None = None
+        try:
+            async for out in outputs:
+                # The handle goes out with the first output (the first chunk computed): the
+                # decode node reserves for a prompt that computes, not one still queued here.
+                if not resp.prepared and out.finish_reason is not FinishReason.ABORT:
+                    await resp.prepare(request)
+                    accepted = PrefillAccepted(request_id=msg.request_id, kv=self._handle(entry))
+                    await resp.write(to_json(accepted) + b"\n")
+                if out.times is not None:
+                    events += self.engine_events(out, "prefill", "prefill admitted", "prefill done")
+                if out.kind is not OutputKind.KV_COMPUTED:
+                    final = out
+                self._on_streamed(msg, entry, out)
+        finally:
+            await outputs.aclose()
+            if entry.computing:  # the call ended before the first token (cancelled, failed)
+                self._stop_streamed(entry, "the prefill call ended")
+        assert final is not None
+        if final.finish_reason is FinishReason.ABORT:
+            self.metrics.requests.labels(outcome="cancelled").inc()
+            err = ApiError(409, f"request {msg.request_id} was cancelled", code="cancelled")
+            if not resp.prepared:
+                raise err
+            await write_error_line(resp, msg.request_id, err)
+            return resp
+        self.metrics.requests.labels(outcome="prefilled").inc()
+        result = self._result(msg, final)
+        if final.kind is OutputKind.HELD:
+            result = result.model_copy(update={"kv": self._handle(entry)})
+            events.append(("held" if entry.state is HeldState.HELD else "streaming", time.time()))
+        await resp.write(to_json(result.model_copy(update={"events": events})) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    def _on_streamed(self, msg: PrefillRequest, entry: HeldKV, out: StepOutput) -> None:
+        """One engine output of a streamed prefill (no await: the engine's order holds)."""
+        assert entry.stream is not None
+        if out.kind is OutputKind.KV_COMPUTED:
+            assert out.computed_blocks is not None
+            self.streamer.computed(entry, out.computed_blocks)
+        elif out.kind is OutputKind.HELD:
+            assert out.held_blocks is not None
+            (entry.stream.first_token,) = out.new_token_ids
+            entry.stream.sampled_at = time.time()
+            if entry.state is HeldState.COMPUTING:  # nobody asked yet: hold, leased
+                ttl = max(msg.lease_s, entry.lease.remaining())
+                entry.lease = Lease.grant(msg.request_id, out.held_blocks, ttl)
+                entry.transition(HeldState.HELD)
+            elif entry.state is HeldState.STREAMING:
+                self.streamer.last(entry, out.held_blocks)
+        elif out.finished and out.finish_reason is not FinishReason.ABORT and entry.computing:
+            self._stop_streamed(entry, "finished at its first token")
+
+    def _stop_streamed(self, entry: HeldKV, why: str) -> None:
+        """End a streamed prefill still computing: the engine stops it; its blocks go once
+        no write can read them (at once, or when the open write is quiescent)."""
+        if entry.state is HeldState.STREAMING and entry.stream and entry.stream.opened:
+            self.front.abort(entry.request_id)
+            entry.transition(HeldState.CANCELLING)
+            self.agent.abort(entry.request_id)  # (False: its terminal event is queued)
+            return
+        if entry.state is HeldState.STREAMING and entry.peer_id is not None:
+            self._tell_aborted(entry.peer_id, entry.request_id, why)
+        self._release(entry, why)
+
+    def _refused(self, entry: HeldKV, why: str) -> None:
+        """A streamed write could not be opened: nothing was posted."""
+        if entry.peer_id is not None:
+            self._tell_aborted(entry.peer_id, entry.request_id, why)
+        self._release(entry, why)
 
     async def handle_extend(self, request: web.Request) -> web.Response:
         msg = await read_message(request, LeaseExtend)
         extended, missing = [], []
         for rid in msg.request_ids:
             entry = self._entry(rid)
+            if entry is not None and entry.computing:  # leased from its first token on
+                if entry.state is HeldState.COMPUTING:
+                    entry.lease = Lease.grant(rid, [], msg.lease_s)
+                extended.append(rid)
+                continue
             if entry is None or entry.state is not HeldState.HELD or entry.lease.expired():
                 missing.append(rid)
                 continue
@@ -170,9 +285,14 @@ class PrefillNode(TransferNode):
         entry = self._entry(request_id)
         if entry is None:
             record = self.engine.record(request_id)
-            if record is not None and record.transfer is not None:
+            if record is not None and record.transfer is not None and record.seq is None:
                 return None  # released already; the engine is freeing its blocks
             return await super().cancel(request_id)  # queued or computing: the engine aborts it
+        if entry.computing:  # a streamed prefill
+            streaming = entry.state is HeldState.STREAMING
+            stage = self.engine.stage_of(request_id) or Stage.RUNNING
+            self._stop_streamed(entry, "cancelled")
+            return Stage.TRANSFER if streaming else stage
         if entry.state is HeldState.HELD:
             self._release(entry, "cancelled")
             return Stage.HELD
@@ -209,6 +329,8 @@ class PrefillNode(TransferNode):
     def _release(self, entry: HeldKV, why: str) -> None:
         """RELEASED: the engine frees the blocks (no transfer can touch them any more)."""
         log.debug("releasing %s (%s)", entry.request_id, why)
+        if entry.computing:  # streamed: stop the prompt first (commands apply in order)
+            self.front.abort(entry.request_id)
         entry.transition(HeldState.RELEASED)
         self.front.release_held(entry.request_id)
 
@@ -241,7 +363,7 @@ class PrefillNode(TransferNode):
             why = "unknown, expired or already sent"
             self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=why))
             return
-        if entry.state is not HeldState.HELD:
+        if entry.state not in (HeldState.HELD, HeldState.COMPUTING):
             self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason="already sending"))
             return
         if req.skip_blocks + len(req.dst_block_ids) != entry.num_blocks or not req.dst_block_ids:
@@ -250,6 +372,9 @@ class PrefillNode(TransferNode):
                 f"{entry.num_blocks} held"
             )
             self.agent.send(peer_id, KVAborted(request_id=req.request_id, reason=why))
+            return
+        if entry.state is HeldState.COMPUTING:  # streamed: write while the prompt computes
+            self.streamer.start(entry, peer_id, req)
             return
         entry.transition(HeldState.SENDING)
         entry.peer_id = peer_id
@@ -270,6 +395,8 @@ class PrefillNode(TransferNode):
             self._release(entry, "cancelled before the write")
             return
         try:
+            if entry.stream is not None:  # streamed KV: the decode node has no first token
+                self.agent.send(peer_id, first_token(entry))
             src = record.blocks[req.skip_blocks :]  # what the decode node does not have
             self.agent.write(req.request_id, peer_id, src, req.dst_block_ids)
         except TransferRejected as e:  # aborted (a cancel came first) or the peer is gone
@@ -289,6 +416,8 @@ class PrefillNode(TransferNode):
         entry = self._entry(request_id)
         if entry is None:
             return
+        if entry.state is HeldState.STREAMING:
+            log.info("streamed write of %s ended while its prompt computes", request_id)
         if ok:
             self.metrics.transfer_seconds.observe(time.monotonic() - entry.sent_at)
             self.metrics.transfer_bytes.observe(entry.sent_blocks * self.engine.block_bytes)

@@ -132,7 +132,11 @@ def _backend(
     traces: TraceStore,
     budget: PreDecodeBudget | None,
 ) -> tuple[InterStageQueue | None, TokenBackend]:
-    config = DisaggConfig(lease_s=settings.lease_s, migrate_limit=settings.migrate_limit)
+    config = DisaggConfig(
+        lease_s=settings.lease_s,
+        migrate_limit=settings.migrate_limit,
+        kv_streaming=settings.kv_streaming,
+    )
     if settings.colocated_mode:
         return None, ColocatedBackend(registry, client, config, traces, DisaggMetrics(metrics))
     queue_config = InterStageConfig(

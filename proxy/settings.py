@@ -32,6 +32,7 @@ class ProxySettings:
     edge_queue_capacity: int = 1024  # edge: more may wait; beyond max_active + this: 503
     edge_deadline_s: float = 60.0  # edge: the longest wait for admission (0: no limit)
     migrate_limit: int = 1  # times a stream may move to another decode node after a failure
+    kv_streaming: bool = True  # KV written while the prompt computes (proxy/pool/disagg.py)
     routing: str = "cost"  # prefill placement policy (proxy/pool/router.py)
     disagg_mode: str = "auto"  # always | never | auto: conditional disaggregation (placement.py)
     local_prefill_max_tokens: int = 256  # auto: the longest uncached prompt prefilled locally

@@ -126,6 +126,8 @@ async def start_proxy(
         *python, "-m", "common.cli", "proxy", "--host", "127.0.0.1", "--port", "0",
         "--model", model, "--prefill", prefill, "--decode", decode, "--log-level", "WARNING",
         "--poll-interval-s", "0.5",
+        # The stand-ins move no KV: the proxy's one-call prefill path, as measured before.
+        "--kv-streaming", "off",
     ]  # fmt: skip
     if core is not None:
         argv = ["taskset", "-c", str(core), *argv]

@@ -11,6 +11,7 @@
 #   PDSERVE_COLOCATED_URLS     colocated (--role both) nodes instead of the two pools
 #   PDSERVE_SERVED_MODEL_NAME  PDSERVE_MAX_MODEL_LEN  PDSERVE_LEASE_S
 #   PDSERVE_INTERSTAGE_CAPACITY  PDSERVE_LOG_LEVEL
+#   PDSERVE_STREAMED_KV        on | off: --kv-streaming, KV written while the prompt computes
 #   PDSERVE_MAX_ACTIVE_REQUESTS  PDSERVE_EDGE_QUEUE_CAPACITY  PDSERVE_EDGE_DEADLINE_S
 #                              admission at the edge (README: "Overload")
 #   PDSERVE_BIN                the command (default: pdserve; e.g. "python -m common.cli")
@@ -31,6 +32,7 @@ opt PDSERVE_MAX_ACTIVE_REQUESTS --max-active-requests
 opt PDSERVE_EDGE_QUEUE_CAPACITY --edge-queue-capacity
 opt PDSERVE_EDGE_DEADLINE_S --edge-deadline-s
 opt PDSERVE_LOG_LEVEL --log-level
+opt PDSERVE_STREAMED_KV --kv-streaming
 
 read -ra bin <<< "${PDSERVE_BIN:-pdserve}"
 if [[ -n "${PDSERVE_DRY_RUN:-}" ]]; then

@@ -44,6 +44,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         edge_queue_capacity=args.edge_queue_capacity,
         edge_deadline_s=args.edge_deadline_s,
         migrate_limit=args.migrate_limit,
+        kv_streaming=args.kv_streaming == "on",
         routing=args.routing,
         disagg_mode=args.disagg_mode,
         local_prefill_max_tokens=args.local_prefill_max_tokens,

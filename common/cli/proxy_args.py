@@ -41,6 +41,7 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
         help="times a stream may be re-prefilled onto another decode node after a node failure",
     )
     add_routing_arg(q)
+    add_kv_streaming_arg(q)
     add_liveness_args(q)
     add_role_args(p.add_argument_group("roles (moving nodes between the pools)"))
     p.add_argument("--trace-capacity", type=int, default=2048, help="recent request traces kept")
@@ -211,6 +212,17 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
         interval_s=args.auto_roles_interval_s,
         margin_s=args.auto_roles_margin_s,
         sample_s=args.auto_roles_sample_s,
+    )
+
+
+def add_kv_streaming_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument(
+        "--kv-streaming",
+        choices=["on", "off"],
+        default="on",
+        help="on: the prefill node writes each finished group of KV blocks to the decode node "
+        "while later chunks compute (the decode node is engaged when the prefill node takes "
+        "the request); off: one write after the first token: %(default)s",
     )
 
 

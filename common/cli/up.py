@@ -87,6 +87,7 @@ class UpConfig:
     routing: str = "cost"
     disagg_mode: str = "auto"  # always | never | auto (conditional disaggregation)
     local_prefill_max_tokens: int = 256
+    kv_streaming: bool = True
     stall_timeout_s: float = NodeTimeouts.stall_s
     silent_after_s: float | None = None
     role_drain_timeout_s: float = 30.0  # a node moved to the other pool drains this long
@@ -368,6 +369,7 @@ async def start_service(
         routing=cfg.routing,
         disagg_mode=cfg.disagg_mode,
         local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+        kv_streaming=cfg.kv_streaming,
         silent_after_s=cfg.silent_after_s,
         timeouts=NodeTimeouts(stall_s=cfg.stall_timeout_s),
         role_drain_timeout_s=cfg.role_drain_timeout_s,
@@ -533,6 +535,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         routing=args.routing,
         disagg_mode=args.disagg_mode,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        kv_streaming=args.kv_streaming == "on",
         stall_timeout_s=args.stall_timeout_s,
         silent_after_s=args.silent_after_s,
         role_drain_timeout_s=args.role_drain_timeout_s,

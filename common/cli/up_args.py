@@ -8,6 +8,7 @@ from common.cli.engine_args import add_engine_args
 from common.cli.lazy import lazy
 from common.cli.proxy_args import (
     add_admission_args,
+    add_kv_streaming_arg,
     add_liveness_args,
     add_role_args,
     add_routing_arg,
@@ -61,6 +62,7 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--lease-s", type=float, default=30.0)
     add_admission_args(p)
     add_routing_arg(p)
+    add_kv_streaming_arg(p)
     add_liveness_args(p)
     add_role_args(p.add_argument_group("roles (moving nodes between the pools)"))
     p.add_argument(

@@ -12,6 +12,7 @@ from common.engine.sequence import Sequence
 @dataclass(frozen=True)
 class AddRequest:
     seq: Sequence
+    transfer: object | None = None  # the node's record of the request's transfer, if any
 
 
 @dataclass(frozen=True)

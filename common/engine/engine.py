@@ -32,8 +32,8 @@ from common.engine.commands import (
 from common.engine.config import EngineConfig
 from common.engine.records import RequestRecord
 from common.engine.runner import ModelRunner
-from common.engine.scheduler import OutputKind, Scheduler, StepOutput
-from common.engine.sequence import FinishReason, Sequence
+from common.engine.scheduler import OutputKind, ScheduledBatch, Scheduler, StepOutput
+from common.engine.sequence import FinishReason, SeqStatus, Sequence
 from common.model.config import ModelConfig
 from common.model.weights import load_model
 from common.wire.sampling_params import SamplingParams
@@ -143,25 +143,34 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         hold_kv: bool = False,
+        stream_kv: bool = False,
+        transfer: object | None = None,
     ) -> None:
         """Queue a request; raises RequestError if it can never be served.
 
         With `hold_kv` (prefill role) the request stops after its first token and
-        its prompt KV blocks stay HELD until `release_held`.
+        its prompt KV blocks stay HELD until `release_held`. With `stream_kv` too, each
+        full prompt block is pinned and reported (KV_COMPUTED) the step it is computed, and
+        the record is kept (HELD, its pins) until `release_held` however the request ends.
+        `transfer` is the node's record of the request's transfer (`RequestRecord.transfer`).
         """
         self.validate(prompt_token_ids, sampling)
-        self._inbox.append(
-            AddRequest(self._new_seq(request_id, prompt_token_ids, sampling, hold_kv))
-        )
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, hold_kv, stream_kv)
+        self._inbox.append(AddRequest(seq, transfer))
 
     def _new_seq(
-        self, request_id: str, token_ids: list[int], sampling: SamplingParams, hold_kv: bool
+        self,
+        request_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        hold_kv: bool,
+        stream_kv: bool,
     ) -> Sequence:
         if request_id in self._known_ids or request_id in self._records:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._known_ids.add(request_id)
         self._arrivals += 1
-        return Sequence(request_id, token_ids, sampling, self._arrivals, hold_kv)
+        return Sequence(request_id, token_ids, sampling, self._arrivals, hold_kv, stream_kv)
 
     def release_held(self, request_id: str) -> None:
         """Free a prefilled request's HELD blocks (transfer done, cancel, lease expiry)."""
@@ -269,18 +278,18 @@ class LLMEngine:
     def validate_prefilled(
         self,
         prompt_token_ids: list[int],
-        first_token_id: int,
+        first_token_id: int | None,
         sampling: SamplingParams,
         kv_num_tokens: int,
         kv_num_blocks: int,
     ) -> None:
         """`validate`, for a request prefilled elsewhere, plus what its KV handle claims: its
         first token is in the vocabulary, its KV covers exactly the prompt, in as many blocks
-        as this node's block size needs. Raises RequestError."""
+        as this node's block size needs. Raises RequestError. (A first token that comes
+        later, with streamed KV, is checked with `check_token` then.)"""
         self.validate(prompt_token_ids, sampling)
-        vocab = self.model_config.vocab_size
-        if not 0 <= first_token_id < vocab:
-            raise RequestError(f"first_token_id must be in [0, {vocab})")
+        if first_token_id is not None:
+            self.check_token(first_token_id)
         n = len(prompt_token_ids)
         if n + sampling.max_tokens > self.max_model_len:  # the proxy fits max_tokens first
             raise RequestError(
@@ -296,6 +305,12 @@ class LLMEngine:
                 f"the KV handle has {kv_num_blocks} blocks; {n} tokens at block size {bs} "
                 f"need {need} (block sizes differ?)"
             )
+
+    def check_token(self, token_id: int) -> None:
+        """A first token sampled elsewhere must be in this model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        if not 0 <= token_id < vocab:
+            raise RequestError(f"first_token_id must be in [0, {vocab})")
 
     # -- the offline API --------------------------------------------------------
 
@@ -352,12 +367,13 @@ class LLMEngine:
             self._step_times.append(seconds)
             self._measure(batch.num_tokens - batch.num_decode, seconds)
             outputs += self.scheduler.postprocess(batch, sampled)
+            outputs += self._pin_computed(batch)
         for out in outputs:
             if out.kind is OutputKind.HELD:
                 assert out.held_blocks is not None
                 self._records[out.request_id].hold(out.held_blocks)
             elif out.finished:
-                self._forget(out.request_id)
+                self._end(out.request_id)
         self._publish()
         if len(batch) and self.on_step is not None:
             sample_s = self.runner.last_sample_s
@@ -380,8 +396,9 @@ class LLMEngine:
         applied = bool(self._inbox)
         while self._inbox:
             match self._inbox.popleft():
-                case AddRequest(seq):
-                    self._records[seq.request_id] = RequestRecord(seq.request_id, seq)
+                case AddRequest(seq, transfer):
+                    rec = RequestRecord(seq.request_id, seq, transfer=transfer)
+                    self._records[seq.request_id] = rec
                     self.scheduler.add(seq)
                 case AbortRequest(request_id):
                     outputs += self._abort(request_id)
@@ -403,13 +420,45 @@ class LLMEngine:
             return []
         if record.seq is not None:
             self.scheduler.abort(record.seq)
-            self._forget(request_id)
+            self._end(request_id)
             return [StepOutput(request_id, [], True, FinishReason.ABORT)]
-        if record.stage is Stage.HELD:
+        if record.stage is Stage.HELD and not record.pinned:
             # Aborted by a caller that never saw the hold: nothing can be transferring
-            # these blocks, since no one learned of them.
+            # these blocks, since no one learned of them. (Pinned ones the node learned of:
+            # it releases them once its writes are quiescent.)
             self._free_kept(record)
         return []
+
+    def _pin_computed(self, batch: ScheduledBatch) -> list[StepOutput]:
+        """Streamed KV: pin the full prompt blocks this step completed of each sequence still
+        prefilling (positions past those pinned before) and report them."""
+        outputs: list[StepOutput] = []
+        bs = self.config.block_size
+        for seq in batch.seqs:
+            if not seq.stream_kv or seq.status is not SeqStatus.RUNNING or not seq.num_uncomputed:
+                continue
+            record = self._records[seq.request_id]
+            new = seq.block_table[len(record.pinned) : seq.num_computed_tokens // bs]
+            if new:
+                self.allocator.share(new, BlockState.HELD)
+                record.pinned += new
+                out = StepOutput(
+                    seq.request_id, [], False, kind=OutputKind.KV_COMPUTED, computed_blocks=new
+                )
+                outputs.append(out)
+        return outputs
+
+    def _end(self, request_id: str) -> None:
+        """The request's sequence ended (finished, aborted): drop its record, unless it has
+        pinned blocks a write may read (streamed KV): those stay kept, HELD, until released."""
+        record = self._records.get(request_id)
+        if record is not None and record.seq is None:
+            return  # ended already (an abort's output): what it kept stays kept
+        if record is not None and record.pinned:
+            record.keep_pins()
+            self._known_ids.discard(request_id)
+            return
+        self._forget(request_id)
 
     @staticmethod
     def _run_call(
@@ -433,9 +482,10 @@ class LLMEngine:
         self.scheduler.register_computed(seq)  # the landed prompt blocks can be shared now
 
     def _free_kept(self, record: RequestRecord) -> None:
-        """Free a HELD or RESERVED block set and drop its record."""
+        """Free a HELD or RESERVED block set (and its pins) and drop its record."""
         state = BlockState.HELD if record.stage is Stage.HELD else BlockState.RESERVED
         self.allocator.free(record.blocks, state)
+        self.allocator.free(record.pinned, BlockState.HELD)
         self._forget(record.request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -508,6 +558,8 @@ class LLMEngine:
             for b in seq.block_table:
                 owners[b][BlockState.USED] += 1
         for record in self._records.values():
+            for b in record.pinned:
+                owners[b][BlockState.HELD] += 1
             if record.seq is None:
                 state = BlockState.HELD if record.stage is Stage.HELD else BlockState.RESERVED
                 for b in record.blocks:

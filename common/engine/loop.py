@@ -123,11 +123,16 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         hold_kv: bool = False,
+        stream_kv: bool = False,
+        transfer: object | None = None,
     ) -> AsyncGenerator[StepOutput, None]:
-        """Stream a new request's outputs (raises RequestError at once if refused)."""
+        """Stream a new request's outputs (raises RequestError at once if refused); see
+        `LLMEngine.add_request` for the flags."""
         return self._submit(
             request_id,
-            lambda: self.engine.add_request(request_id, prompt_token_ids, sampling, hold_kv),
+            lambda: self.engine.add_request(
+                request_id, prompt_token_ids, sampling, hold_kv, stream_kv, transfer
+            ),
         )
 
     def decode_prefilled(

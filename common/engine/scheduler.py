@@ -43,6 +43,8 @@ class ScheduledBatch:
 class OutputKind(str, Enum):
     TOKENS = "tokens"  # new tokens of a request (the last output of a request has finished)
     HELD = "held"  # prefill role: the first token; the prompt's KV blocks are now HELD
+    # prefill role, streamed KV: these full prompt blocks are computed and pinned (not final)
+    KV_COMPUTED = "kv_computed"
     ENGINE_DEAD = "engine_dead"  # the engine thread died (AsyncEngine's last output)
 
 
@@ -60,12 +62,20 @@ class StepOutput:
     # and how many prompt tokens the prefix cache saved it (usage.cached_tokens).
     times: tuple[float, float] | None = None
     num_cached_tokens: int | None = None
+    # KV_COMPUTED only: the newly computed full prompt blocks, in prompt order, following
+    # those reported before (pinned: held for the node until it releases the request).
+    computed_blocks: list[int] | None = None
 
     def __post_init__(self) -> None:
         if (self.held_blocks is not None) != (self.kind is OutputKind.HELD):
             raise ValueError("held_blocks is set exactly on HELD outputs")
-        if self.kind is not OutputKind.TOKENS and not self.finished:
-            raise ValueError(f"a {self.kind.value} output ends its request")
+        if (self.computed_blocks is not None) != (self.kind is OutputKind.KV_COMPUTED):
+            raise ValueError("computed_blocks is set exactly on KV_COMPUTED outputs")
+        ends = self.kind in (OutputKind.HELD, OutputKind.ENGINE_DEAD)
+        if ends != self.finished and self.kind is not OutputKind.TOKENS:
+            raise ValueError(
+                f"a {self.kind.value} output {'ends' if ends else 'continues'} its request"
+            )
 
 
 class Scheduler:

@@ -52,7 +52,10 @@ class Sequence:
         sampling: SamplingParams,
         arrival: int,
         hold_kv: bool = False,
+        stream_kv: bool = False,
     ) -> None:
+        if stream_kv and not hold_kv:
+            raise ValueError(f"{request_id}: streamed KV is held KV")
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -76,6 +79,9 @@ class Sequence:
         # Prefill role: after the first token, keep the prompt's KV blocks (HELD)
         # for transfer instead of decoding on.
         self.hold_kv = hold_kv
+        # Prefill role, KV streamed while the prompt computes: each full prompt block is
+        # pinned (an extra HELD reference) and reported as soon as a step completes it.
+        self.stream_kv = stream_kv
         # Wall-clock seconds, for the request's trace and queue-wait metrics.
         self.arrival_time = time.time()
         self.scheduled_time: float | None = None  # first scheduled (left the queue)

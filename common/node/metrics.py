@@ -102,6 +102,18 @@ class NodeMetrics:
             registry=registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
         )
+        self.kv_exposed_seconds = Histogram(
+            "pdserve_kv_exposed_seconds",
+            "Decode, streamed KV: from the first token sampled at the prefill node to the KV "
+            "landed here (the transfer time a request waits for; 0 when it landed first)",
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+        )
+        self.kv_groups = Counter(
+            "pdserve_kv_groups_total",
+            "Streamed KV: groups of blocks written (prefill) or landed (decode)",
+            registry=registry,
+        )
         self.kv_blocks_cached = Counter(
             "pdserve_kv_blocks_cached_total",
             "Decode: blocks of incoming KV found in this node's prefix cache, not transferred",

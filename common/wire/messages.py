@@ -196,6 +196,20 @@ class KVDone(Message):
 
     type: Literal["kv_done"] = "kv_done"
     request_id: str = Field(min_length=1)
+    # The blocks this write carried; 0: all of the transfer. A streamed transfer lands as
+    # several writes, and the receiver counts them until every reserved block is in.
+    num_blocks: int = Field(default=0, ge=0)
+
+
+@register
+class KVFirstToken(Message):
+    """Prefill -> decode, in a streamed transfer: the first token was sampled (at the
+    sender's wall-clock `sampled_at`); the decode node admits once it and the KV are in."""
+
+    type: Literal["kv_first_token"] = "kv_first_token"
+    request_id: str = Field(min_length=1)
+    token_id: int = Field(ge=0)
+    sampled_at: float = 0.0
 
 
 @register

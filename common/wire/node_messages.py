@@ -7,6 +7,10 @@ per line in a token stream (NDJSON).
 Internal API (every node: GET /health, GET /state, GET /metrics):
 
     prefill  POST /internal/prefill   PrefillRequest -> PrefillResult
+             POST /internal/prefill_streamed  PrefillRequest -> 200 NDJSON: PrefillAccepted
+                                      (the KV handle, after the first chunk: the KV streams to the
+                                      decode node that asks while the prompt computes), then
+                                      PrefillResult, or a TokenDelta with the error
              POST /internal/extend    LeaseExtend    -> LeaseExtendResult
     decode   POST /internal/decode    DecodeRequest  -> 200 NDJSON TokenDelta stream,
                                                         or 503 code "decode_full"
@@ -104,11 +108,23 @@ class PrefillResult(Message):
 
 
 @register
+class PrefillAccepted(Message):
+    """First line of a streamed prefill: the node took the request; its KV will be held
+    under `kv` and is written to the decode node that asks for it, while it computes."""
+
+    type: Literal["prefill_accepted"] = "prefill_accepted"
+    request_id: str
+    kv: KVHandle
+
+
+@register
 class DecodeRequest(RoleWork):
     type: Literal["decode_request"] = "decode_request"
     request_id: str = Field(min_length=1, max_length=128)
     prompt_token_ids: list[int] = Field(min_length=1)
-    first_token_id: int
+    # None: streamed KV (the prefill node is still computing); the first token comes from
+    # the prefill node with the KV (KVFirstToken) and is checked like this field.
+    first_token_id: int | None
     sampling: SamplingParams
     kv: KVHandle
 
@@ -190,6 +206,7 @@ __all__ = [
     "LeaseExtend",
     "LeaseExtendResult",
     "MessageError",
+    "PrefillAccepted",
     "PrefillRequest",
     "PrefillResult",
     "RoleChange",

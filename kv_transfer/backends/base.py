@@ -45,6 +45,7 @@ class Landed:
 
     peer_id: str
     request_id: str
+    num_blocks: int = 0  # the blocks of this write; 0: all of the transfer
 
 
 BackendEvent = WriteCompleted | WriteFailed | Landed

@@ -125,7 +125,8 @@ class NixlBackend(Backend):
         peer = self._peers.get(xfer.peer_id)
         if peer is None or peer.dead:
             raise TransportError(f"nixl: peer {xfer.peer_id} is not connected")
-        notif = encode(KVDone(request_id=xfer.request_id)) if self._notify_inline else b""
+        done = KVDone(request_id=xfer.request_id, num_blocks=len(xfer.src_ids))
+        notif = encode(done) if self._notify_inline else b""
         try:
             handle = self._agent.make_prepped_xfer(
                 "WRITE", self._local, xfer.src_ids, peer.dlist, xfer.dst_ids, notif
@@ -194,7 +195,7 @@ class NixlBackend(Backend):
         peer = self._peers.get(peer_id)
         if peer is None or peer.dead:
             return []
-        return [Landed(peer_id, msg.request_id)]
+        return [Landed(peer_id, msg.request_id, msg.num_blocks)]
 
     def close(self) -> None:
         for xfer in list(self._posted.values()):
@@ -218,7 +219,10 @@ class NixlBackend(Backend):
         if state == "DONE":
             if not self._notify_inline:  # DONE follows NIXL's endpoint flush: data is in place
                 # queued; model_construct: the id is ours, checked by write()
-                self.send(xfer.peer_id, KVDone.model_construct(request_id=xfer.request_id))
+                done = KVDone.model_construct(
+                    request_id=xfer.request_id, num_blocks=len(xfer.src_ids)
+                )
+                self.send(xfer.peer_id, done)
             return WriteCompleted(xfer.request_id)
         dead = self._peers.get(xfer.peer_id)
         return WriteFailed(xfer.request_id, f"nixl transfer {state}", dead is None or dead.dead)
@@ -243,7 +247,7 @@ class NixlBackend(Backend):
                     log.warning("nixl: bad notification from %s: %s", sender, e)
                     continue
                 if isinstance(msg, KVDone):
-                    events.append(Landed(sender, msg.request_id))
+                    events.append(Landed(sender, msg.request_id, msg.num_blocks))
         return events
 
     def _release(self, handle: nixl_xfer_handle) -> None:

@@ -198,7 +198,7 @@ class UcxxBackend(Backend):
                 )
                 continue
             self.send(r.peer_id, KVDone(request_id=r.request_id))
-            events.append(Landed(r.peer_id, r.request_id))
+            events.append(Landed(r.peer_id, r.request_id, len(r.reqs)))
         for r in [r for r in self._sends.values() if r.complete()]:
             err = r.error(self._api)
             if err is None and not r.acked:

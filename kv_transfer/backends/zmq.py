@@ -78,6 +78,7 @@ class _Arriving:
 
     parts: int
     seen: set[int]
+    blocks: int = 0  # landed so far
 
 
 class ZmqBackend(Backend):
@@ -262,11 +263,12 @@ class ZmqBackend(Backend):
             return None
         self._blocks[dst] = payload.reshape(dst.size, self.layout.block_bytes)
         arriving.seen.add(header.part)
+        arriving.blocks += dst.size
         if len(arriving.seen) < arriving.parts:
             return None
         del self._arriving[key]
         self.send(header.src_agent, KVDone(request_id=header.request_id))
-        return Landed(header.src_agent, header.request_id)
+        return Landed(header.src_agent, header.request_id, arriving.blocks)
 
     def _split(self, data: memoryview) -> tuple[bytes, np.ndarray]:
         """The header bytes and the block payload of one data message."""

@@ -53,10 +53,13 @@ from common.wire.node_messages import (
 )
 from proxy.http.backend import BackendError, NodeLost, TokenChunk
 from proxy.http.errors import INVALID_REQUEST, SERVER_ERROR
+from proxy.pool.node_errors import NodeUnreachable as NodeUnreachable  # (re-exported)
+from proxy.pool.prefill_stream import PrefillStream
 
 log = logging.getLogger(__name__)
 
 PREFILL_PATH = "/internal/prefill"
+PREFILL_STREAMED_PATH = "/internal/prefill_streamed"
 EXTEND_PATH = "/internal/extend"
 DECODE_PATH = "/internal/decode"
 GENERATE_PATH = "/internal/generate"
@@ -93,23 +96,6 @@ class NodeTimeouts:
                 raise ValueError(f"NodeTimeouts.{name} must be positive, got {value}")
         if self.stall_s < 0:
             raise ValueError(f"NodeTimeouts.stall_s must be >= 0, got {self.stall_s}")
-
-
-class NodeUnreachable(BackendError):
-    """The node did not take the request; another node may. `maybe_received`: the connection
-    broke after the request was written (a dead node, or a stale pooled connection), so the
-    caller also sends the node a Cancel in case it lives."""
-
-    def __init__(self, url: str, reason: str, maybe_received: bool = False) -> None:
-        super().__init__(
-            503,
-            f"node {url} is unavailable: {reason}",
-            type=SERVER_ERROR,
-            code="unavailable",
-            retry_after=1.0,
-        )
-        self.url = url
-        self.maybe_received = maybe_received
 
 
 class DecodeFull(Exception):
@@ -339,6 +325,29 @@ class NodeClient:
             url, PREFILL_PATH, req, PrefillResult, self._total(self.timeouts.prefill_s)
         )
         return await self._guarded(url, call)
+
+    async def prefill_streamed(self, url: str, req: PrefillRequest) -> PrefillStream:
+        """Start a streamed prefill (KV written while the prompt computes); the stream's
+        first line, the KV handle, is `accepted()`, its second the result. Errors as for
+        `prefill` until the node answered 200."""
+        path = PREFILL_STREAMED_PATH
+        try:
+            post = asyncio.wait_for(self._post(url + path, req), self.timeouts.prefill_s)
+            resp = await self._guarded(url, post)
+        except aiohttp.ConnectionTimeoutError:  # (a TimeoutError too): never reached the node
+            raise self._no_connection(url) from None
+        except asyncio.TimeoutError:
+            raise BackendError.failed(
+                f"node {url} did not answer {path} within {self.timeouts.prefill_s:g} s"
+            ) from None
+        except aiohttp.ClientError as e:
+            raise _transport_error(url, path, e) from None
+        if resp.status != 200:
+            try:
+                raise await self._error(url, resp)
+            finally:
+                resp.close()
+        return PrefillStream(url, req.request_id, resp, self.timeouts.prefill_s, self._guarded)
 
     async def extend(self, url: str, req: LeaseExtend) -> LeaseExtendResult:
         return await self._call(url, EXTEND_PATH, req, LeaseExtendResult, self._control())

@@ -13,6 +13,13 @@ consuming task cancelled) cancels it where it is, from tasks the `NodeClient` ow
 The first token is yielded as soon as the prefill node returns it; the request is queued for
 decode before that yield, so the client's first write does not delay the decode.
 
+With `kv_streaming`, the prefill call is streamed (`PrefillStream`): the request is queued
+for decode as soon as the prefill node accepted it (its KV handle), without a first token, so
+a decode node with room reserves the blocks and asks for the KV while the prompt still
+computes; the prefill node writes each finished group at once, and the first token travels
+to the decode node with the last group. Cancellation is unchanged: the entry is cancelled
+wherever it is, and both nodes are told.
+
 Conditional disaggregation (placement.py): unless `--disagg-mode always`, each attempt first
 decides where its prompt is prefilled. A prompt placed locally goes straight to a decode node
 (POST /internal/generate, as to a colocated node): no prefill call, no inter-stage queue, no
@@ -30,10 +37,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import TypeVar
 
-from common.wire.node_messages import DecodeRequest, GenerateRequest, PrefillRequest, PrefillResult
+from common.wire.node_messages import (
+    DecodeRequest,
+    GenerateRequest,
+    KVHandle,
+    PrefillAccepted,
+    PrefillRequest,
+    PrefillResult,
+)
 from common.wire.stage import Stage
 from proxy.http.backend import BackendError, GenerationRequest, NodeLost, TokenChunk, TokenStream
 from proxy.metrics import DisaggMetrics
@@ -48,11 +64,15 @@ from proxy.pool.placement import (
     PlacementMetrics,
     place,
 )
+from proxy.pool.prefill_stream import PrefillStream
 from proxy.pool.registry import NodeRegistry
 from proxy.pool.router import Decision, Estimate, rates
 from proxy.trace import TraceStore
 
 log = logging.getLogger(__name__)
+
+P = TypeVar("P")
+Streamed = tuple[QueueEntry, PrefillResult]  # a streamed prefill's queue entry and result
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,8 @@ class DisaggConfig:
     lease_s: float = 30.0  # the prefill lease; the inter-stage queue extends it while waiting
     node_attempts: int = 2  # nodes tried when one turns out unreachable before taking a request
     migrate_limit: int = 1  # re-prefills of a started request after a node failure
+    # Stream the KV while the prompt computes (a decode node is engaged after its first chunk).
+    kv_streaming: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_s <= 3600:
@@ -167,14 +189,19 @@ class DisaggBackend:
                         yield chunk
                 return
             remote = None  # the decode node was unreachable: the prefill pool after all
-        prefill_url, result = await self._prefill(req, remote)
+        if self.config.kv_streaming:
+            async with aclosing(self._attempt_streamed(req, budget_id, remote)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        prefill_url, result = await self._prefill(req, self._prefill_on, remote)
         self.budget.prefilled(budget_id)
         first = TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens)
         if result.kv is None:
             self.budget.release(budget_id)
             yield first
             return
-        entry = self._enqueue(req, result, prefill_url)
+        entry = self._enqueue(req, result.first_token_id, result.kv, prefill_url)
         self.traces.record(req.request_id, "inter-stage queued", stage=Stage.INTERSTAGE)
         try:
             yield first
@@ -183,6 +210,71 @@ class DisaggBackend:
             self.queue.cancel(entry)
             raise
         self.budget.release(budget_id)
+        async with aclosing(self._decode(req, stream, prefill_url)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _attempt_streamed(
+        self, req: GenerationRequest, budget_id: str, decided: Decision | None
+    ) -> TokenStream:
+        """`_attempt` with the KV streamed: queued for decode at the prefill node's
+        acceptance, first token yielded when it comes, then the decode stream relayed. A
+        prefill node lost before the first token is retried on another, as without
+        streaming (its queue entry cancelled, a new one queued). `decided`: the prefill node
+        placement chose already, if it did."""
+
+        def on(node: Node, msg: PrefillRequest, uncached: int) -> Awaitable[Streamed]:
+            return self._streamed_on(req, node, msg, uncached)
+
+        prefill_url, (entry, result) = await self._prefill(req, on, decided)
+        try:
+            self.traces.enter(req.request_id, Stage.INTERSTAGE)
+            self.budget.prefilled(budget_id)
+            first = TokenChunk(
+                [result.first_token_id], result.finish_reason, result.num_cached_tokens
+            )
+            if result.kv is None:  # finished at its first token: the decode side is not needed
+                self.queue.cancel(entry)
+                self.budget.release(budget_id)
+                yield first
+                return
+            yield first
+            stream = await self.queue.wait(entry)
+        except BaseException:  # as in _attempt
+            self.queue.cancel(entry)
+            raise
+        self.budget.release(budget_id)
+        async with aclosing(self._decode(req, stream, prefill_url)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _streamed_on(
+        self, req: GenerationRequest, node: Node, msg: PrefillRequest, uncached: int
+    ) -> Streamed:
+        """A streamed prefill on `node`: queued for decode once the node accepted it, then
+        its result; on any failure the queue entry is cancelled (NodeUnreachable: the node
+        was lost, `_prefill` tries another)."""
+        call, accepted = await self._prefill_streamed_on(node, msg, uncached)
+        try:
+            entry = self._enqueue(req, None, accepted.kv, node.url)
+        except BaseException:
+            call.close()
+            raise
+        # Queued for decode while still in the PREFILL stage (the KV streams to whichever
+        # decode node takes it); INTERSTAGE once the first token came, as without streaming.
+        detail = "kv streamed while the prompt computes"
+        self.traces.record(req.request_id, "inter-stage queued", detail=detail)
+        try:
+            return entry, await self._streamed_result(call)
+        except BaseException:
+            self.queue.cancel(entry)
+            raise
+        finally:
+            call.close()
+
+    async def _decode(
+        self, req: GenerationRequest, stream: NodeStream, prefill_url: str
+    ) -> TokenStream:
         self.traces.record(req.request_id, "dispatched", detail=stream.url, stage=Stage.TRANSFER)
         async with aclosing(
             relay(stream, self.client, self.queue, prefill_url, self.traces)
@@ -248,10 +340,14 @@ class DisaggBackend:
             return None
 
     async def _prefill(
-        self, req: GenerationRequest, first: Decision | None = None
-    ) -> tuple[str, PrefillResult]:
-        """Prefill on the prefill pool: on `first`'s node (decided already), else the
-        router's pick; another node if one turns out unreachable."""
+        self,
+        req: GenerationRequest,
+        on: Callable[[Node, PrefillRequest, int], Awaitable[P]],
+        first: Decision | None = None,
+    ) -> tuple[str, P]:
+        """Prefill `req` with `on(node, msg, uncached)` on `first`'s node (decided already),
+        else the router's pick, trying another while one turns out unreachable before it
+        took the request."""
         msg = PrefillRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -270,7 +366,7 @@ class DisaggBackend:
             node = decision.node
             self.traces.record(msg.request_id, "routed", detail=decision.detail())
             try:
-                return node.url, await self._prefill_on(node, msg, decision.chosen.uncached)
+                return node.url, await on(node, msg, decision.chosen.uncached)
             except NodeUnreachable as e:  # it did not take the request: try another node
                 self._unreachable(node, e, msg.request_id)
                 self._count("retries", "prefill")
@@ -302,16 +398,48 @@ class DisaggBackend:
         self.traces.record_node(msg.request_id, node.url, result.events)
         return result
 
+    async def _prefill_streamed_on(
+        self, node: Node, msg: PrefillRequest, uncached: int
+    ) -> tuple[PrefillStream, PrefillAccepted]:
+        """Start a streamed prefill on `node`, up to its acceptance (the KV handle)."""
+        with self.registry.track(node, uncached):
+            try:
+                stamped = msg.model_copy(update={"epoch": node.epoch})  # stale: 409, retried
+                call = await self.client.prefill_streamed(node.url, stamped)
+            except NodeUnreachable:
+                raise
+            except BaseException as e:  # as in _prefill_on
+                if not (isinstance(e, BackendError) and e.status < 500):
+                    self.client.cancel_soon(node.url, msg.request_id)
+                raise
+        try:
+            return call, await call.accepted()
+        except BaseException:  # it took the request, then failed or was dropped
+            call.close()
+            self.client.cancel_soon(node.url, msg.request_id)
+            raise
+
+    async def _streamed_result(self, call: PrefillStream) -> PrefillResult:
+        result = await call.result()
+        if (result.kv is None) == (result.finish_reason is None):
+            raise BackendError.failed(f"prefill node {call.url} answered an inconsistent result")
+        self.traces.record_node(call.request_id, call.url, result.events)
+        return result
+
     def _enqueue(
-        self, req: GenerationRequest, result: PrefillResult, prefill_url: str
+        self,
+        req: GenerationRequest,
+        first_token_id: int | None,
+        kv: KVHandle | None,
+        prefill_url: str,
     ) -> QueueEntry:
-        assert result.kv is not None
+        assert kv is not None
         decode = DecodeRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            first_token_id=result.first_token_id,
+            first_token_id=first_token_id,
             sampling=req.sampling,
-            kv=result.kv,
+            kv=kv,
         )
         try:
             return self.queue.submit(decode, prefill_url)

@@ -68,13 +68,17 @@ def slow_cluster(tiny_model_dir: Path) -> Iterator[tuple[Cluster, Server]]:
             "decode", "decode", wait=False, max_num_seqs=1, debug_step_delay=STEP_DELAY_S
         )
         cluster.wait_all()
+        # The stages as they are without KV streaming (one write after the first token);
+        # tests/e2e/test_kv_streaming.py cancels streamed KV at its own stages.
         edge_proxy = cluster.start_proxy(
             prefill=[prefill], decode=[decode], max_active_requests=1, edge_queue_capacity=4,
-            **ALWAYS,
+            kv_streaming="off", **ALWAYS,
         )  # fmt: skip
         # Room before decode for more than the decode node's one sequence, so that requests
         # queue on the prefill node (by default the edge would hold them back).
-        cluster.start_proxy(prefill=[prefill], decode=[decode], interstage_capacity=4, **ALWAYS)
+        cluster.start_proxy(
+            prefill=[prefill], decode=[decode], interstage_capacity=4, kv_streaming="off"
+        )
         yield cluster, edge_proxy
     finally:
         cluster.close()

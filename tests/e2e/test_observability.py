@@ -25,7 +25,9 @@ from tests.support.http import http_json
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-# Causal order of a disaggregated request's boundaries, with the owner of each.
+# Causal order of a disaggregated request's boundaries, with the owner of each, without KV
+# streaming (this module's proxy runs with it off; tests/e2e/test_kv_streaming.py checks the
+# streamed order).
 DISAGG_ROWS = [
     ("received", "proxy"),
     ("validated", "proxy"),
@@ -56,7 +58,7 @@ ALWAYS = {"disagg_mode": "always"}
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
-    c = start_cluster(tiny_model_dir, (1, 1, 0), proxy=ALWAYS)
+    c = start_cluster(tiny_model_dir, (1, 1, 0), proxy_args={**ALWAYS, "kv_streaming": "off"})
     try:
         yield c
     finally:

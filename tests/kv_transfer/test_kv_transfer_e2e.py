@@ -114,3 +114,51 @@ def test_32_concurrent_transfers_one_prefill_two_decodes(trio) -> None:
         for rid in rids:
             got = read(node, plan[rid]["dst"], d_spec.block_bytes)
             assert np.array_equal(got, expected(3, plan[rid]["src"], p_spec.block_bytes)), rid
+
+
+def test_streamed_write_lands_in_segments_then_once(trio) -> None:
+    """A streamed write (write(final=False), write_more ...) is one transfer: the receiver
+    hears KVProgress per segment and one KVReceived when every block is in, the sender one
+    TransferDone, and the bytes are exact."""
+    spec = CacheSpec(num_blocks=24, layers=2, heads=2, dim=16, block_size=4)
+    p, d = start_pair(trio.prefill, trio.decode1, trio.backend, spec, spec)
+    trio.prefill.call("fill_pattern", ids=list(range(24)), seed=11)
+    src, dst = [3, 9, 4, 17, 20, 1, 6], [10, 2, 23, 5, 11, 0, 8]
+    trio.decode1.call("request", peer=p["name"], rid="s1", dst=dst)
+    transfer_requests(trio.prefill, 1)
+    groups = [(0, 2), (2, 3), (3, 6)]  # the last segment comes after a pause with nothing posted
+    trio.prefill.call("write", rid="s1", peer=d["name"], src=src[:2], dst=dst[:2], final=False)
+    for a, b in groups[1:]:
+        collect(trio.decode1, lambda ev: any(e["kind"] == "KVProgress" for e in ev), WAIT)
+        trio.prefill.call("write_more", rid="s1", peer=d["name"], src=src[a:b], dst=dst[a:b],
+                          final=False)  # fmt: skip
+    trio.prefill.call("write_more", rid="s1", peer=d["name"], src=src[6:], dst=dst[6:], final=True)
+    p_events = collect(trio.prefill, count_terminal(1), WAIT)
+    d_events = collect(trio.decode1, count_terminal(1), WAIT)
+    assert [e["kind"] for e in terminal(p_events)] == ["TransferDone"]
+    assert [e["kind"] for e in terminal(d_events)] == ["KVReceived"]
+    got = read(trio.decode1, dst, spec.block_bytes)
+    assert np.array_equal(got, expected(11, src, spec.block_bytes))
+
+
+def test_streamed_write_aborted_between_segments_is_quiescent(trio) -> None:
+    """The receiver aborts a streamed write between two segments: both sides end once,
+    nothing more lands, and a later segment is refused (the write has ended)."""
+    spec = CacheSpec(num_blocks=16, layers=2, heads=2, dim=16, block_size=4)
+    p, d = start_pair(trio.prefill, trio.decode1, trio.backend, spec, spec)
+    trio.prefill.call("fill_pattern", ids=list(range(16)), seed=5)
+    trio.decode1.call("request", peer=p["name"], rid="s2", dst=[1, 2, 3, 4])
+    transfer_requests(trio.prefill, 1)
+    trio.prefill.call("write", rid="s2", peer=d["name"], src=[5, 6], dst=[1, 2], final=False)
+    collect(trio.decode1, lambda ev: any(e["kind"] == "KVProgress" for e in ev), WAIT)
+    trio.decode1.call("abort", rid="s2")
+    d_events = collect(trio.decode1, count_terminal(1), WAIT)
+    p_events = collect(trio.prefill, count_terminal(1), WAIT)
+    assert [e["kind"] for e in terminal(d_events)] == ["Quiescent"]
+    assert terminal(d_events)[0]["landed"] is False
+    assert [(e["kind"], e["reason"]) for e in terminal(p_events)] == [
+        ("TransferFailed", "aborted_by_peer")
+    ]
+    with pytest.raises(Exception, match="no open write"):
+        trio.prefill.call("write_more", rid="s2", peer=d["name"], src=[7], dst=[3], final=True)
+    assert not read(trio.decode1, [3, 4], spec.block_bytes).any()

@@ -165,12 +165,12 @@ def start_cluster(
     model_dir: Path,
     topology: Topology,
     token: str | None = None,
-    proxy: dict[str, Any] | None = None,
+    proxy_args: dict[str, Any] | None = None,
     **engine: object,
 ) -> Cluster:
-    """A cluster of `topology` nodes (`engine`: their flags) behind one proxy (`proxy`: its
-    flags), every node started at once; if any fails to come up, everything started is
-    stopped before the error propagates."""
+    """A cluster of `topology` nodes behind one proxy (its extra flags: `proxy_args`), every
+    node started at once; if any fails to come up, everything started is stopped before the
+    error propagates."""
     cluster = Cluster(model_dir, token=token, **engine)
     try:
         n_p, n_d, n_c = topology
@@ -178,7 +178,7 @@ def start_cluster(
         decode = [cluster.node("decode", f"decode-{i}", wait=False) for i in range(n_d)]
         both = [cluster.node("both", f"both-{i}", wait=False) for i in range(n_c)]
         cluster.wait_all()
-        cluster.start_proxy(prefill=prefill, decode=decode, colocated=both, **(proxy or {}))
+        cluster.start_proxy(prefill=prefill, decode=decode, colocated=both, **(proxy_args or {}))
     except BaseException:
         cluster.close()
         raise

@@ -70,7 +70,12 @@ class Node:
         self.ops: dict[str, Callable[[dict], object]] = {
             "start": self.start,
             "connect": lambda a: self.agent.connect(a["address"]),
-            "write": lambda a: self.agent.write(a["rid"], a["peer"], a["src"], a["dst"]),
+            "write": lambda a: self.agent.write(
+                a["rid"], a["peer"], a["src"], a["dst"], a.get("final", True)
+            ),
+            "write_more": lambda a: self.agent.write_more(
+                a["rid"], a["peer"], a["src"], a["dst"], a["final"]
+            ),
             "request": lambda a: self.agent.request_transfer(a["peer"], a["rid"], a["dst"]),
             "abort": lambda a: self.agent.abort(a["rid"]),
             "write_then_abort": self.write_then_abort,

@@ -27,6 +27,7 @@ from common.wire.node_messages import (
     KVHandle,
     LeaseExtend,
     LeaseExtendResult,
+    PrefillAccepted,
     PrefillRequest,
     PrefillResult,
     TokenDelta,
@@ -110,6 +111,7 @@ class StubNode:
                 web.get("/health", self.health),
                 web.get("/state", self.state),
                 web.post("/internal/prefill", self.prefill),
+                web.post("/internal/prefill_streamed", self.prefill_streamed),
                 web.post("/internal/extend", self.extend),
                 web.post("/internal/decode", self.decode),
                 web.post("/internal/generate", self.generate),
@@ -206,6 +208,38 @@ class StubNode:
             request_id=msg.request_id, first_token_id=self.first_token, finish_reason=None, kv=kv
         )
         return _json(result)
+
+    async def prefill_streamed(self, request: web.Request) -> web.StreamResponse:
+        """The handle at once, the result after `prefill_delay` (or a cancelled line once
+        `release(request_id)` is called while `hold_streams`)."""
+        msg = await self._read(request, PrefillRequest)
+        resp = web.StreamResponse(headers=NDJSON)
+        await resp.prepare(request)
+        kv = self._handle(msg)
+        await resp.write(to_json(PrefillAccepted(request_id=msg.request_id, kv=kv)) + b"\n")
+        try:
+            await asyncio.sleep(self.prefill_delay)
+        except asyncio.CancelledError:
+            self.disconnected.append(msg.request_id)
+            raise
+        finished = self.finish_at_first is not None
+        result = PrefillResult(
+            request_id=msg.request_id, first_token_id=self.first_token,
+            finish_reason=self.finish_at_first, kv=None if finished else kv,
+        )  # fmt: skip
+        await resp.write(to_json(result) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    def _handle(self, msg: PrefillRequest) -> KVHandle:
+        return KVHandle(
+            engine_id=self.engine_id,
+            side_channel="tcp://127.0.0.1:1",
+            num_blocks=1,
+            num_tokens=len(msg.prompt_token_ids),
+            lease_deadline=time.time() + msg.lease_s,
+            transfer_key="stub-transfer-key-0123",
+        )
 
     async def extend(self, request: web.Request) -> web.Response:
         msg = await self._read(request, LeaseExtend)

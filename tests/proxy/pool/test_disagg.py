@@ -256,6 +256,32 @@ def test_auto_prefills_a_short_prompt_on_the_decode_node_when_the_prefill_queue_
     run(body())
 
 
+def _streamed(stack, **config: float) -> DisaggBackend:  # type: ignore[no-untyped-def]
+    return DisaggBackend(
+        stack.registry, stack.client, stack.queue, DisaggConfig(kv_streaming=True, **config)
+    )
+
+
+def test_streamed_kv_engages_the_decode_node_before_the_first_token() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.prefill_delay = 0.3  # the prompt computes...
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            task = asyncio.ensure_future(_collect(_streamed(stack).generate(_request())))
+            # ...while the decode node already has the request, without a first token.
+            await eventually(lambda: decode.accepted == ["req-1"], what="decode dispatched")
+            assert not task.done()
+            [(path, _)], [(_, dec)] = prefill.calls, decode.calls
+            assert path == "/internal/prefill_streamed" and isinstance(dec, DecodeRequest)
+            assert dec.first_token_id is None and dec.kv.engine_id == prefill.engine_id
+            chunks = await task
+            assert chunks[0] == TokenChunk([7], None, 0)
+            assert _tokens(chunks) == [7, 8, 9, 10] and chunks[-1].finish_reason == "length"
+            assert prefill.cancels == decode.cancels == []
+
+    run(body())
+
+
 def test_auto_uses_the_prefill_pool_when_it_is_idle_and_falls_back_to_local_without_it() -> None:
     async def body() -> None:
         prefill, decode = StubNode("prefill"), StubNode("decode")
@@ -273,6 +299,10 @@ def test_auto_uses_the_prefill_pool_when_it_is_idle_and_falls_back_to_local_with
             trace = traces.get("req-2")
             assert trace is not None
             assert any(r.detail.startswith("auto: local (no_prefill_node)") for r in trace.rows)
+
+    run(body())
+
+
 def test_a_prefill_node_at_another_epoch_did_not_take_the_request_and_another_does() -> None:
     async def body() -> None:
         moved, other, decode = StubNode("prefill"), StubNode("prefill"), StubNode("decode")
@@ -290,5 +320,37 @@ def test_a_prefill_node_at_another_epoch_did_not_take_the_request_and_another_do
             assert moved.cancels == []  # 409: it holds nothing, nothing to cancel
             [(_, dec)] = decode.calls
             assert dec.epoch == 0 and dec.kv.engine_id == other.engine_id
+
+    run(body())
+
+
+def test_streamed_kv_finished_at_the_first_token_cancels_the_engaged_decode_node() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.prefill_delay, prefill.finish_at_first = 0.3, "stop"
+        decode.hold_streams = True  # the decode side waits for KV that will never come
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            chunks = await _collect(_streamed(stack).generate(_request()))
+            assert chunks == [TokenChunk([7], "stop", 0)]
+            await eventually(lambda: decode.cancels == ["req-1"], what="decode cancel")
+            await eventually(lambda: "req-1" in decode.disconnected, what="stream dropped")
+
+    run(body())
+
+
+def test_closing_a_streamed_prefill_cancels_on_both_nodes() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.prefill_delay = 5.0
+        decode.hold_streams = True
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            task = asyncio.ensure_future(_collect(_streamed(stack).generate(_request())))
+            await eventually(lambda: decode.accepted == ["req-1"], what="decode dispatched")
+            task.cancel()  # the client leaves while the prompt computes
+            await asyncio.gather(task, return_exceptions=True)
+            await eventually(lambda: "req-1" in prefill.disconnected, what="prefill call dropped")
+            await eventually(lambda: decode.cancels == ["req-1"], what="decode cancel")
+            await eventually(lambda: "req-1" in prefill.cancels, what="prefill cancel")
+            assert stack.queue.depth == 0
 
     run(body())
