@@ -77,8 +77,9 @@ def slow_cluster(tiny_model_dir: Path) -> Iterator[tuple[Cluster, Server]]:
         # Room before decode for more than the decode node's one sequence, so that requests
         # queue on the prefill node (by default the edge would hold them back).
         cluster.start_proxy(
-            prefill=[prefill], decode=[decode], interstage_capacity=4, kv_streaming="off"
-        )
+            prefill=[prefill], decode=[decode], interstage_capacity=4, kv_streaming="off",
+            **ALWAYS,
+        )  # fmt: skip
         yield cluster, edge_proxy
     finally:
         cluster.close()
