@@ -330,23 +330,7 @@ class NodeClient:
         """Start a streamed prefill (KV written while the prompt computes); the stream's
         first line, the KV handle, is `accepted()`, its second the result. Errors as for
         `prefill` until the node answered 200."""
-        path = PREFILL_STREAMED_PATH
-        try:
-            post = asyncio.wait_for(self._post(url + path, req), self.timeouts.prefill_s)
-            resp = await self._guarded(url, post)
-        except aiohttp.ConnectionTimeoutError:  # (a TimeoutError too): never reached the node
-            raise self._no_connection(url) from None
-        except asyncio.TimeoutError:
-            raise BackendError.failed(
-                f"node {url} did not answer {path} within {self.timeouts.prefill_s:g} s"
-            ) from None
-        except aiohttp.ClientError as e:
-            raise _transport_error(url, path, e) from None
-        if resp.status != 200:
-            try:
-                raise await self._error(url, resp)
-            finally:
-                resp.close()
+        resp = await self._open(url, PREFILL_STREAMED_PATH, req, self.timeouts.prefill_s)
         return PrefillStream(url, req.request_id, resp, self.timeouts.prefill_s, self._guarded)
 
     async def extend(self, url: str, req: LeaseExtend) -> LeaseExtendResult:
@@ -379,6 +363,29 @@ class NodeClient:
             guard.trip(NodeUnreachable(url, f"down: {reason}", maybe_received=True))
         return len(lost) + len(calls)
 
+    async def _open(
+        self, url: str, path: str, msg: Message, timeout_s: float
+    ) -> aiohttp.ClientResponse:
+        """POST `msg` for an NDJSON answer: the response once the node answered 200 within
+        `timeout_s`; else the error its answer (or its absence) means."""
+        try:
+            post = asyncio.wait_for(self._post(url + path, msg), timeout_s)
+            resp = await self._guarded(url, post)
+        except aiohttp.ConnectionTimeoutError:  # (a TimeoutError too): never reached the node
+            raise self._no_connection(url) from None
+        except asyncio.TimeoutError:
+            raise BackendError.failed(
+                f"node {url} did not answer {path} within {timeout_s:g} s"
+            ) from None
+        except aiohttp.ClientError as e:
+            raise _transport_error(url, path, e) from None
+        if resp.status != 200:
+            try:
+                raise await self._error(url, resp)
+            finally:
+                resp.close()
+        return resp
+
     # -- token streams -----------------------------------------------------------------------
 
     async def open_stream(
@@ -393,22 +400,7 @@ class NodeClient:
         """POST `msg` and return the accepted NDJSON stream (after the 200 headers). The
         stream is stalled after `stall_s` (default: timeouts.stall_s) without a line, after
         its first; `kv_from`: the prefill node whose loss also ends it before its first."""
-        try:
-            post = asyncio.wait_for(self._post(url + path, msg), self.timeouts.first_byte_s)
-            resp = await self._guarded(url, post)
-        except aiohttp.ConnectionTimeoutError:  # (a TimeoutError too): never reached the node
-            raise self._no_connection(url) from None
-        except asyncio.TimeoutError:
-            raise BackendError.failed(
-                f"node {url} did not answer {path} within {self.timeouts.first_byte_s:g} s"
-            ) from None
-        except aiohttp.ClientError as e:
-            raise _transport_error(url, path, e) from None
-        if resp.status != 200:
-            try:
-                raise await self._error(url, resp)
-            finally:
-                resp.close()
+        resp = await self._open(url, path, msg, self.timeouts.first_byte_s)
         stall = self.timeouts.stall_s if stall_s is None else stall_s
         stream = NodeStream(
             url, request_id, resp, self.timeouts.read_line_s, stall, kv_from, self._streams.discard
