@@ -203,6 +203,21 @@ class DisaggBackend:
             return
         entry = self._enqueue(req, result.first_token_id, result.kv, prefill_url)
         self.traces.record(req.request_id, "inter-stage queued", stage=Stage.INTERSTAGE)
+        async with aclosing(self._queued(req, entry, first, budget_id, prefill_url)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _queued(
+        self,
+        req: GenerationRequest,
+        entry: QueueEntry,
+        first: TokenChunk,
+        budget_id: str,
+        prefill_url: str,
+    ) -> TokenStream:
+        """Yield the first token, wait for a decode node to take `entry` (it leaves the
+        pre-decode budget then) and relay its stream; the entry is cancelled on any exit
+        before that."""
         try:
             yield first
             stream = await self.queue.wait(entry)
@@ -227,24 +242,16 @@ class DisaggBackend:
             return self._streamed_on(req, node, msg, uncached)
 
         prefill_url, (entry, result) = await self._prefill(req, on, decided)
-        try:
-            self.traces.enter(req.request_id, Stage.INTERSTAGE)
-            self.budget.prefilled(budget_id)
-            first = TokenChunk(
-                [result.first_token_id], result.finish_reason, result.num_cached_tokens
-            )
-            if result.kv is None:  # finished at its first token: the decode side is not needed
-                self.queue.cancel(entry)
-                self.budget.release(budget_id)
-                yield first
-                return
-            yield first
-            stream = await self.queue.wait(entry)
-        except BaseException:  # as in _attempt
+        # No await from here into _queued: the entry is cancelled on every exit.
+        self.traces.enter(req.request_id, Stage.INTERSTAGE)
+        self.budget.prefilled(budget_id)
+        first = TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens)
+        if result.kv is None:  # finished at its first token: the decode side is not needed
             self.queue.cancel(entry)
-            raise
-        self.budget.release(budget_id)
-        async with aclosing(self._decode(req, stream, prefill_url)) as chunks:
+            self.budget.release(budget_id)
+            yield first
+            return
+        async with aclosing(self._queued(req, entry, first, budget_id, prefill_url)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
