@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 import zmq
 
@@ -180,13 +181,7 @@ class KVTransferAgent:
         KVProgress per segment landed (while its expected blocks are not all in).
         """
         self._check_open()
-        src = check_block_ids(src_block_ids, self.layout.num_blocks, "src_block_ids")
-        region = self._registry.peers.get(peer_id)
-        if region is None:
-            raise TransferRejected(f"unknown peer {peer_id!r}")
-        dst = check_block_ids(dst_block_ids, region.num_blocks, "dst_block_ids")
-        if src.size != dst.size:
-            raise TransferRejected(f"{src.size} source blocks but {dst.size} destinations")
+        src, dst = self._pairs(peer_id, src_block_ids, dst_block_ids)
         self._claim(request_id, peer_id)
         nbytes = src.size * self.layout.block_bytes
         xfer = OutgoingTransfer(request_id, peer_id, src, dst, nbytes, final=final)
@@ -209,6 +204,14 @@ class KVTransferAgent:
         self._check_open()
         if request_id not in self._registry.active:
             raise TransferRejected(f"request {request_id!r} has no open write")
+        src, dst = self._pairs(peer_id, src_block_ids, dst_block_ids)
+        self._submit(MoreCmd(request_id, src, dst, final))
+
+    def _pairs(
+        self, peer_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A write's checked (source, destination) block ids; TransferRejected for bad
+        ids, an unknown peer or counts that differ."""
         src = check_block_ids(src_block_ids, self.layout.num_blocks, "src_block_ids")
         region = self._registry.peers.get(peer_id)
         if region is None:
@@ -216,7 +219,7 @@ class KVTransferAgent:
         dst = check_block_ids(dst_block_ids, region.num_blocks, "dst_block_ids")
         if src.size != dst.size:
             raise TransferRejected(f"{src.size} source blocks but {dst.size} destinations")
-        self._submit(MoreCmd(request_id, src, dst, final))
+        return src, dst
 
     def request_transfer(
         self,
