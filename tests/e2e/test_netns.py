@@ -144,6 +144,11 @@ def deployment(
                 f"http://{hosts['prefill'].addr}:{PORT}",
                 "--decode",
                 f"http://{hosts['decode'].addr}:{PORT}",
+                # Every prompt through the prefill node: the quarantine test's release needs
+                # the decode node to reach the prefill node again, which it does for its next
+                # transfer from it; with `auto` the requests after the cut could be prefilled
+                # on the decode node, and the blocks would wait for the 60 s quarantine timeout.
+                "--disagg-mode", "always",
             ],  # fmt: skip
         }
         d = Deployment(lab, hosts, started, argv, tmp_path_factory.mktemp("netns"))
