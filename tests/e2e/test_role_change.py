@@ -44,7 +44,9 @@ def pools(slow_2p2d: Cluster) -> Iterator[Pools]:
     streams are still running when a node moves) behind this module's proxy."""
     prefill = next(n for n in slow_2p2d.nodes() if n.name == "prefill-0")
     decode = [n for n in slow_2p2d.nodes() if n.name.startswith("decode")]
-    proxy = slow_2p2d.start_proxy([prefill], decode, poll_interval_s=0.2)
+    # Every prompt to the prefill pool: the moved node must get prefill work once it is a
+    # prefill node (with `auto`, short prompts could be prefilled on decode-0 instead).
+    proxy = slow_2p2d.start_proxy([prefill], decode, poll_interval_s=0.2, disagg_mode="always")
     try:
         yield Pools(slow_2p2d, proxy, prefill, decode)
     finally:
