@@ -196,14 +196,7 @@ class StubNode:
                 kv=None,
             )
             return _json(result)
-        kv = KVHandle(
-            engine_id=self.engine_id,
-            side_channel="tcp://127.0.0.1:1",
-            num_blocks=1,
-            num_tokens=len(msg.prompt_token_ids),
-            lease_deadline=time.time() + msg.lease_s,
-            transfer_key="stub-transfer-key-0123",
-        )
+        kv = self._handle(msg)
         result = PrefillResult(
             request_id=msg.request_id, first_token_id=self.first_token, finish_reason=None, kv=kv
         )
