@@ -26,7 +26,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     try:
         packed = op(weight.detach().contiguous())
         # One trial call: some dtypes pack but cannot run on this CPU.
-        linear(torch.zeros(1, weight.shape[1], dtype=weight.dtype), packed, None)
+        linear(
+            torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device), packed, None
+        )
     except RuntimeError:
         return None
     return packed

@@ -6,6 +6,7 @@ import argparse
 
 from common.cli.models import model_dir
 from common.engine.config import EngineConfig
+from common.engine.device import DeviceError, check_device
 from kernels.dispatch import BACKENDS
 
 
@@ -18,6 +19,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "an HF model directory",
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument(
+        "--device",
+        default="auto",
+        type=_device,
+        help="auto (default: cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N; the "
+        "model, KV cache and every step's tensors live there",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     g.add_argument(
@@ -45,10 +53,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _device(name: str) -> str:
+    try:
+        return check_device(name)
+    except DeviceError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=model_dir(args.model),
         dtype=args.dtype,
+        device=args.device,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory_mb * 2**20,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.engine.device import check_device
 from kernels.dispatch import BACKENDS
 
 
@@ -11,7 +12,7 @@ from kernels.dispatch import BACKENDS
 class EngineConfig:
     model: str  # local HF model directory
     dtype: str = "auto"  # auto | float32 | bfloat16
-    device: str = "cpu"
+    device: str = "auto"  # auto (CUDA when there is one, else cpu) | cpu | cuda | cuda:N
     block_size: int = 16
     num_blocks: int | None = None  # None: as many as kv_cache_memory holds
     kv_cache_memory: int = 256 * 2**20  # bytes, used when num_blocks is None
@@ -27,6 +28,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
+        check_device(self.device)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -30,6 +30,7 @@ from common.engine.commands import (
     ReleaseHeldKV,
 )
 from common.engine.config import EngineConfig
+from common.engine.device import resolve_device
 from common.engine.records import RequestRecord
 from common.engine.runner import ModelRunner
 from common.engine.scheduler import OutputKind, ScheduledBatch, Scheduler, StepOutput
@@ -90,7 +91,8 @@ class LLMEngine:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.model, self.weights_hash = load_model(config.model, config.dtype, config.device)
+        self.device = resolve_device(config.device)
+        self.model, self.weights_hash = load_model(config.model, config.dtype, self.device)
         self.model_config: ModelConfig = self.model.config
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype
@@ -102,7 +104,7 @@ class LLMEngine:
         num_blocks = config.num_blocks or max(1, config.kv_cache_memory // block_bytes)
         # kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(
-            (num_blocks, *block_shape), dtype=self.dtype, device=config.device
+            (num_blocks, *block_shape), dtype=self.dtype, device=self.device
         )
         self.block_bytes = block_bytes
         self.allocator = BlockAllocator(num_blocks)
@@ -118,8 +120,8 @@ class LLMEngine:
             # model, dtype or block size are other bytes.
             cache_salt=f"{self.weights_hash}/{self.dtype}/{config.block_size}".encode(),
         )
-        self.kernels = kernels_for(config.device, config.kernel_backend)
-        log.info("kernels: %s on %s", self.kernels.name, config.device)
+        self.kernels = kernels_for(self.device, config.kernel_backend)
+        log.info("kernels: %s on %s", self.kernels.name, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.kernels)
         self._inbox: deque[EngineCommand] = deque()
         self._records: dict[str, RequestRecord] = {}  # engine thread writes; others .get()

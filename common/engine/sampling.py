@@ -45,9 +45,9 @@ def sample(
             out[i] = t
     rows = [i for i, g in enumerate(greedy) if not g]
     sp = [params[i] for i in rows]
-    temps = torch.tensor([p.temperature for p in sp], dtype=logits.dtype)
+    temps = torch.tensor([p.temperature for p in sp], dtype=logits.dtype, device=logits.device)
     probs = torch.softmax(_take(logits, rows) / temps[:, None], dim=-1)
-    u = _uniforms(sp, [output_index[i] for i in rows])
+    u = _uniforms(sp, [output_index[i] for i in rows]).to(logits.device)
     filtered = [j for j, p in enumerate(sp) if p.top_k > 0 or p.top_p < 1.0]
     plain = [j for j, p in enumerate(sp) if not (p.top_k > 0 or p.top_p < 1.0)]
     if plain:
@@ -69,14 +69,16 @@ def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def _uniforms(params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
-    """One U[0, 1) draw per row: seeded rows from their own generator, others from torch's."""
-    u = torch.rand(len(params))
+    """One U[0, 1) draw per row, on the host: seeded rows from their own CPU generator (the
+    same draw on every device, so a seed gives the same token whichever node, CPU or GPU,
+    samples it), others from torch's. One small copy to the logits' device follows."""
+    u = torch.rand(len(params), device="cpu")
     for i, p in enumerate(params):
         if p.seed is not None:
-            g = torch.Generator().manual_seed(
+            g = torch.Generator(device="cpu").manual_seed(
                 _noise_seed(p.seed, p.output_index_base + output_index[i])
             )
-            u[i] = torch.rand(1, generator=g)[0]
+            u[i] = torch.rand(1, generator=g, device="cpu")[0]
     return u
 
 
@@ -99,7 +101,8 @@ def _top_k_top_p(
     most likely tokens whose mass before them is under top_p) weighs 0."""
     vocab = probs.shape[-1]
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    ps = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+    device = probs.device
+    ps = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
     bounded = [kr for kr in ks if kr < vocab]
     k = min(vocab, max([_FIRST_K, *bounded]))
     open_rows = [i for i, kr in enumerate(ks) if kr == vocab]  # top-p alone
@@ -109,8 +112,8 @@ def _top_k_top_p(
         if k == vocab or not open_rows or bool((vals[open_rows].sum(-1) >= ps[open_rows]).all()):
             break
         k = min(vocab, k * 8)
-    rank = torch.arange(k)[None, :]
-    drop = rank >= torch.tensor(ks)[:, None]
+    rank = torch.arange(k, device=device)[None, :]
+    drop = rank >= torch.tensor(ks, device=device)[:, None]
     kept = vals.masked_fill(drop, 0.0)
     kept = kept / kept.sum(dim=-1, keepdim=True)
     # Nucleus over the top-k set: keep the smallest prefix whose mass reaches top_p

@@ -21,7 +21,8 @@ from kernels import cpu_linear
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        # device=None: the default device, meta while load_model builds the model
+        self.weight = nn.Parameter(torch.ones(dim, device=None))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,8 +46,11 @@ class PackedLinear(nn.Module):
         return cpu_linear.linear(x, self.packed, self.bias)
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def _inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None, device: str | torch.device
+) -> torch.Tensor:
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+    inv = 1.0 / (theta ** (steps / head_dim))
     if scaling is None:
         return inv
     # Llama-3: keep high frequencies, divide low ones by `factor`, blend between.
@@ -70,8 +74,9 @@ class RotaryEmbedding:
     """
 
     def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu") -> None:
-        inv = _inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        # Computed on the host, then moved: the same table bits whatever the device.
+        inv = _inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, "cpu")
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv)  # [max_pos, head_dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device)
@@ -165,7 +170,7 @@ class LlamaModel(nn.Module):
 
 
 def _on_meta() -> bool:
-    return torch.empty(0).device.type == "meta"
+    return torch.get_default_device().type == "meta"
 
 
 class LlamaForCausalLM(nn.Module):

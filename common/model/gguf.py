@@ -182,7 +182,7 @@ def _write_weights(
     """Write the safetensors file(s), one shard in memory at a time; an index when sharded."""
     arch = ARCHS[config["model_type"]]
     tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
-    shards = _plan_shards(tensors, torch.empty((), dtype=dtype).element_size(), limit)
+    shards = _plan_shards(tensors, dtype.itemsize, limit)
     weight_map: dict[str, str] = {}
     total = 0
     for i, shard in enumerate(shards, 1):

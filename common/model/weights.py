@@ -122,7 +122,10 @@ def resolve_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "auto", device: str = "cpu", prepack: bool = True
+    model_dir: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    prepack: bool = True,
 ) -> tuple[LlamaForCausalLM, str]:
     """Build the model for `model_dir` and load its weights; returns (model, weights hash).
 

@@ -223,10 +223,10 @@ def make_weights(shape: TinyLlamaShape, vocab_size: int, seed: int = SEED) -> di
     """LlamaForCausalLM state dict (float32), drawn in a fixed order from one seeded generator."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # written to disk: on the host
 
     def normal(rows: int, cols: int, std: float) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen, dtype=torch.float32) * std
+        return torch.randn(rows, cols, generator=gen, dtype=torch.float32, device="cpu") * std
 
     h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
     inter = shape.intermediate_size
@@ -240,9 +240,9 @@ def make_weights(shape: TinyLlamaShape, vocab_size: int, seed: int = SEED) -> di
         w[f"{p}.mlp.gate_proj.weight"] = normal(inter, h, PROJ_STD)
         w[f"{p}.mlp.up_proj.weight"] = normal(inter, h, PROJ_STD)
         w[f"{p}.mlp.down_proj.weight"] = normal(h, inter, PROJ_STD)
-        w[f"{p}.input_layernorm.weight"] = torch.ones(h)
-        w[f"{p}.post_attention_layernorm.weight"] = torch.ones(h)
-    w["model.norm.weight"] = torch.ones(h)
+        w[f"{p}.input_layernorm.weight"] = torch.ones(h, device="cpu")
+        w[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, device="cpu")
+    w["model.norm.weight"] = torch.ones(h, device="cpu")
     w["lm_head.weight"] = normal(vocab_size, h, LM_HEAD_STD)
     return w
 
