@@ -185,6 +185,17 @@ class BlockAllocator:
         self._event("stored", h)
         return True
 
+    def reset_cache(self) -> int:
+        """Forget the content of every free cached block (vLLM's reset_prefix_cache): they
+        become plain free blocks, first in line, each with a "removed" event. Blocks that
+        requests hold keep their names (their bytes are still what the hash says). Returns
+        how many were forgotten."""
+        dropped = [b for b in self._free if self._hash[b] is not None]
+        for b in dropped:
+            self._unregister(b)
+            self._free.move_to_end(b, last=False)
+        return len(dropped)
+
     def record_events(self, limit: int = 1_000_000) -> deque[tuple[int, str, int]]:
         """Start queueing KV events in `events` (the oldest dropped beyond `limit`)."""
         self.events = deque(maxlen=limit)

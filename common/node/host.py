@@ -46,7 +46,12 @@ from common.node.server import (
 )
 from common.wire.auth import auth_middleware, is_loopback
 from common.wire.errors import SERVER_ERROR, ApiError
-from common.wire.node_messages import RoleChange, RoleChangeResult
+from common.wire.node_messages import (
+    ResetPrefixCache,
+    ResetPrefixCacheResult,
+    RoleChange,
+    RoleChangeResult,
+)
 from common.wire.prefix import event_key
 
 log = logging.getLogger(__name__)
@@ -159,6 +164,7 @@ class NodeHost:
             web.get("/metrics", self.handle_metrics),
             web.get("/internal/kv_cache", self.handle_kv_cache),
             web.post("/internal/role", self.handle_role),
+            web.post("/internal/reset_prefix_cache", self.handle_reset_prefix_cache),
             web.route("*", "/{path:.*}", self._dispatch),
         ]
 
@@ -210,6 +216,14 @@ class NodeHost:
         secret = self.config.cluster_token
         keys = [event_key(h, secret).hex() for h in hashes]
         return web.json_response({"node": self.engine_id, "last": last, "keys": keys})
+
+    async def handle_reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """Forget the cached blocks no request holds (their "removed" events tell the
+        proxies' KV indexes)."""
+        await read_message(request, ResetPrefixCache)
+        blocks = await self.runtime.front.call(self.engine.allocator.reset_cache)
+        log.info("prefix cache reset: %d cached blocks forgotten", blocks)
+        return json_message(ResetPrefixCacheResult(blocks=blocks))
 
     def state(self) -> dict[str, object]:
         st = self.role.state()

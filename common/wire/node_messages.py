@@ -198,6 +198,19 @@ class RoleChangeResult(Message):
     evicted: int = Field(default=0, ge=0)  # requests the drain timeout ended
 
 
+@register
+class ResetPrefixCache(Message):
+    """Forget every cached block no request holds (benchmarks start from a cold cache)."""
+
+    type: Literal["reset_prefix_cache"] = "reset_prefix_cache"
+
+
+@register
+class ResetPrefixCacheResult(Message):
+    type: Literal["reset_prefix_cache_result"] = "reset_prefix_cache_result"
+    blocks: int = Field(ge=0)  # cached blocks forgotten
+
+
 __all__ = [
     "CancelResult",
     "DecodeRequest",
@@ -209,6 +222,8 @@ __all__ = [
     "PrefillAccepted",
     "PrefillRequest",
     "PrefillResult",
+    "ResetPrefixCache",
+    "ResetPrefixCacheResult",
     "RoleChange",
     "RoleChangeResult",
     "RoleWork",

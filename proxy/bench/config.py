@@ -42,6 +42,7 @@ class BenchConfig:
     plot_dir: Path | None = None
     progress: bool = True
     search: SearchConfig | None = None  # --goodput-search: rates holds only its start
+    reset_prefix_cache: bool = False  # POST /admin/reset_prefix_cache before each run
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -107,6 +108,7 @@ class BenchConfig:
             "ignore_eos": self.ignore_eos,
             "extra_body": self.extra_body,
             "seed": self.seed,
+            "reset_prefix_cache": self.reset_prefix_cache,
         }
 
 
@@ -168,6 +170,13 @@ def make_parser(description: str = "") -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--request-timeout-s", type=float, default=300.0, help="per request: %(default)s"
+    )
+    g.add_argument(
+        "--reset-prefix-cache",
+        action="store_true",
+        help="POST /admin/reset_prefix_cache to the proxy before each run, so that every run "
+        "(every rate of a sweep or search, which send the same prompts) starts with a cold "
+        "prefix cache",
     )
     g = p.add_argument_group("requests")
     g.add_argument(
@@ -349,4 +358,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         plot_dir=args.plot_dir,
         progress=args.progress,
         search=search,
+        reset_prefix_cache=args.reset_prefix_cache,
     )

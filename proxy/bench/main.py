@@ -85,6 +85,19 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
         raise ValueError(f"cannot read the model list at {url} ({e!r}); pass --model") from None
 
 
+async def reset_prefix_cache(session: aiohttp.ClientSession, base_url: str) -> None:
+    """Every node behind the proxy forgets its unused cached blocks; ValueError if not."""
+    url = base_url + "/admin/reset_prefix_cache"
+    try:
+        timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
+        async with session.post(url, timeout=timeout) as resp:
+            body = await resp.text()
+            if resp.status != 200:
+                raise ValueError(f"POST {url}: HTTP {resp.status}: {body[:300]}")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise ValueError(f"POST {url} failed: {e!r}") from None
+
+
 def load_tokenizer(cfg: BenchConfig) -> TokenCounter | None:
     if cfg.tokenizer is None or not isinstance(cfg.workload, RandomWorkload):
         return None
@@ -108,6 +121,8 @@ async def run_rate(
 ) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """One run at `rate`: the JSON document and the raw samples (for the CDF plot)."""
     load = replace(cfg.load, rate=rate)
+    if cfg.reset_prefix_cache:
+        await reset_prefix_cache(session, cfg.base_url)
 
     async def send(item: WorkItem, run_start: float) -> RequestResult:
         body = request_body(

@@ -9,6 +9,10 @@
                                      drains, bumps its epoch and serves in the new role
                                      (proxy/pool/roles.py) -> {node, previous_role, role,
                                      epoch, drained_s, evicted}
+    POST   /admin/reset_prefix_cache every node forgets the cached blocks no request holds
+                                     (vLLM's /reset_prefix_cache, SGLang's /flush_cache:
+                                     benchmarks start each run cold) -> {blocks, nodes:
+                                     [{url, blocks}]}; 502 naming the nodes that failed
 
 Errors are OpenAI-style bodies: 400 bad body or role, 409 conflict (fingerprint or role
 mismatch; a move of a `both` node, of the last node of a pool, or of a node being moved),
@@ -17,6 +21,7 @@ mismatch; a move of a `both` node, of the last node of a pool, or of a node bein
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -57,6 +62,7 @@ class AdminRoutes:
         app.router.add_post("/admin/nodes", self.register)
         app.router.add_delete("/admin/nodes", self.remove)
         app.router.add_post("/admin/nodes/role", self.move)
+        app.router.add_post("/admin/reset_prefix_cache", self.reset_prefix_cache)
 
     async def list_nodes(self, request: web.Request) -> web.Response:
         nodes = [self._describe(n) for n in self.registry.nodes()]
@@ -131,6 +137,23 @@ class AdminRoutes:
                 "evicted": result.evicted,
             }
         )
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        nodes = self.registry.nodes()
+        client = self.registry.client
+        results = await asyncio.gather(
+            *(client.reset_prefix_cache(n.url) for n in nodes), return_exceptions=True
+        )
+        rows, failed = [], []
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, BaseException):
+                failed.append(f"{node.url} ({result})")
+            else:
+                rows.append({"url": node.url, "blocks": result.blocks})
+        if failed:
+            message = "the prefix cache was not reset on " + ", ".join(failed)
+            return _error(ApiError(502, message, type=SERVER_ERROR, code="node_unreachable"))
+        return web.json_response({"blocks": sum(r["blocks"] for r in rows), "nodes": rows})
 
 
 def _registration_error(e: RegistrationError) -> ApiError:

@@ -45,6 +45,8 @@ from common.wire.node_messages import (
     LeaseExtendResult,
     PrefillRequest,
     PrefillResult,
+    ResetPrefixCache,
+    ResetPrefixCacheResult,
     RoleChange,
     RoleChangeResult,
     TokenDelta,
@@ -65,6 +67,7 @@ DECODE_PATH = "/internal/decode"
 GENERATE_PATH = "/internal/generate"
 CANCEL_PATH = "/internal/cancel"
 ROLE_PATH = "/internal/role"
+RESET_PREFIX_CACHE_PATH = "/internal/reset_prefix_cache"
 JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_BODY = 64 * 1024
 MAX_LINE_BYTES = 1 << 20  # a token stream's longest line
@@ -343,6 +346,13 @@ class NodeClient:
     async def change_role(self, url: str, msg: RoleChange, timeout_s: float) -> RoleChangeResult:
         """Have the node drain and change role (it answers when done, or with an error)."""
         return await self._call(url, ROLE_PATH, msg, RoleChangeResult, self._total(timeout_s))
+
+    async def reset_prefix_cache(self, url: str) -> ResetPrefixCacheResult:
+        """Have the node forget the cached blocks no request holds."""
+        return await self._call(
+            url, RESET_PREFIX_CACHE_PATH, ResetPrefixCache(), ResetPrefixCacheResult,
+            self._control(),
+        )  # fmt: skip
 
     def cancel_soon(self, url: str, request_id: str) -> None:
         """Send a Cancel from a task this client owns, again with backoff while the node does

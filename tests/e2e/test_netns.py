@@ -148,7 +148,8 @@ def deployment(
                 # the decode node to reach the prefill node again, which it does for its next
                 # transfer from it; with `auto` the requests after the cut could be prefilled
                 # on the decode node, and the blocks would wait for the 60 s quarantine timeout.
-                "--disagg-mode", "always",
+                "--disagg-mode",
+                "always",
             ],  # fmt: skip
         }
         d = Deployment(lab, hosts, started, argv, tmp_path_factory.mktemp("netns"))

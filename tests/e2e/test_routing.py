@@ -156,3 +156,64 @@ def test_the_cost_router_weighs_the_cache_against_the_queue(
 
     asyncio.run(main())
     d.cluster.wait_baseline(30.0)
+
+
+def test_reset_prefix_cache_empties_every_node_and_the_proxy_index(
+    deployment: Deployment, tokenizer: Tokenizer
+) -> None:
+    """POST /admin/reset_prefix_cache (what bench-serve --reset-prefix-cache sends before
+    each run): every node forgets its unused cached blocks, the proxy's index follows their
+    "removed" events, and a prompt computed before is computed in full again."""
+    d = deployment
+    prompt = tokenizer.decode(_ids(tokenizer, 40000, 300))
+
+    async def cached(session: aiohttp.ClientSession) -> int:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        async with session.post(f"{d.cost.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            usage = (await resp.json())["usage"]
+        return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+    async def index_blocks(session: aiohttp.ClientSession) -> int:
+        nodes = (await get_json(session, f"{d.cost.url}/admin/nodes"))["nodes"]
+        return sum((n["prefix_cache"] or {}).get("blocks", 0) for n in nodes)
+
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        await cached(session)
+        assert await cached(session) > 0  # the second time, the prefill node had it
+        await until(lambda: _positive(index_blocks(session)), 20.0, "the index seeing it")
+        await until(lambda: _idle(session, d), 20.0, "no request holding blocks")
+        async with session.post(f"{d.cost.url}/admin/reset_prefix_cache") as resp:
+            assert resp.status == 200, await resp.text()
+            reset = await resp.json()
+        assert {n["url"] for n in reset["nodes"]} == {n.url for n in d.cluster.nodes()}
+        assert reset["blocks"] >= 300 // 16
+        for node in (d.a, d.b):
+            keys = (await get_json(session, f"{node.url}/internal/kv_cache"))["keys"]
+            assert keys == [], node.url
+        await until(lambda: _zero(index_blocks(session)), 20.0, "the index emptied")
+        assert await cached(session) == 0
+
+    asyncio.run(_with_session(scenario))
+    d.cluster.wait_baseline(30.0)
+
+
+async def _with_session(fn: Any) -> None:
+    async with aiohttp.ClientSession() as session:
+        await fn(session)
+
+
+async def _positive(value: Any) -> bool:
+    return await value > 0
+
+
+async def _zero(value: Any) -> bool:
+    return await value == 0
+
+
+async def _idle(session: aiohttp.ClientSession, d: Deployment) -> bool:
+    for node in (d.a, d.b):
+        st = await get_json(session, f"{node.url}/state")
+        if any(st["requests"].values()):
+            return False
+    return True

@@ -303,3 +303,21 @@ def test_a_cached_block_survives_its_last_reference_until_space_is_needed() -> N
     assert alloc.allocate(1) == [c]  # the uncached block goes first
     assert alloc.allocate(1) == [b]  # then the least recently freed cached one is evicted
     assert alloc.lookup([111, 222]) == [a] and alloc.cache_counts()["evictions"] == 1
+
+
+def test_reset_cache_forgets_only_the_free_cached_blocks() -> None:
+    a = BlockAllocator(8)
+    events = a.record_events()
+    held, freed = a.allocate(2), a.allocate(3)
+    for b in held + freed:
+        assert a.register(b, 1000 + b)
+    a.free(freed)
+    assert a.num_cached == 5
+    assert a.reset_cache() == 3
+    assert a.num_cached == 2 and a.lookup([1000 + held[0]]) == [held[0]]
+    assert all(a.hash_of(b) is None for b in freed)
+    assert [kind for _, kind, _ in events].count("removed") == 3
+    a.check_integrity()
+    # the forgotten blocks are reused before any other free block
+    assert sorted(a.allocate(3)) == sorted(freed)
+    assert a.reset_cache() == 0
