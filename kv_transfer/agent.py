@@ -74,7 +74,7 @@ class KVTransferAgent:
         fingerprint: Fingerprint,
     ) -> None:
         self.config = config
-        self.layout = CacheLayout(kv_cache)
+        self.layout = CacheLayout(kv_cache, staged=config.stage_host_cache)
         _check_fingerprint(fingerprint, kv_cache)
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex[:12]  # new at every start

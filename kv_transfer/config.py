@@ -67,6 +67,10 @@ class TransferConfig:
     # held until the sender says no write is in progress (it is asked again when it comes
     # back) or a new incarnation replaces it; failing both, they are freed after this long.
     quarantine_timeout_s: float = 60.0
+    # zmq and ucxx move a device (GPU) cache through host staging buffers; on, they move a
+    # host cache that way too: the device path, run on a CPU (tests). nixl moves either kind
+    # in place.
+    stage_host_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

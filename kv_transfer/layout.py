@@ -8,6 +8,13 @@
 
 So a block is one contiguous region, one transfer descriptor, and a write's
 descriptor count never depends on the number of layers.
+
+The cache lives in host memory ("DRAM") or in a GPU's ("VRAM", with the GPU's index as the
+descriptors' device id). NIXL moves either kind directly (UCX picks cuda_ipc between GPUs of
+one host and RDMA across hosts). The backends that move bytes through the CPU (zmq, ucxx)
+read and write a device cache through host staging buffers (`gather`/`scatter`; pinned where
+CUDA is present, so the copies run at full PCIe speed); a host cache they use in place, unless
+`staged` asks for the staging path anyway (tests run the device path that way on the CPU).
 """
 
 from __future__ import annotations
@@ -17,12 +24,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from common.wire.messages import KVRegion
+from common.wire.messages import KVRegion, MemoryKind
 from kv_transfer.errors import TransferRejected
 
 
 class CacheLayout:
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(self, kv_cache: torch.Tensor, staged: bool = False) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(
                 "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
@@ -30,9 +37,16 @@ class CacheLayout:
             )
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous (one region per block)")
-        if kv_cache.device.type != "cpu":
-            raise ValueError(f"only host (cpu) KV caches are supported, got {kv_cache.device}")
+        if kv_cache.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"KV caches live on the CPU or a CUDA GPU, got {kv_cache.device}")
         self.tensor = kv_cache
+        self.device = kv_cache.device
+        self.memory: MemoryKind = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
+        self.device_id = kv_cache.device.index or 0  # NIXL's device id: the GPU; 0 for DRAM
+        # zmq and ucxx go through host buffers: always for a device cache, on request for a
+        # host one (the same code path, testable without a GPU).
+        self.staged = staged or self.memory == "VRAM"
+        self._pin = torch.cuda.is_available()
         self.num_blocks = int(kv_cache.shape[0])
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         self.base_addr = kv_cache.data_ptr()
@@ -42,8 +56,41 @@ class CacheLayout:
     @property
     def region(self) -> KVRegion:
         return KVRegion(
-            base_addr=self.base_addr, num_blocks=self.num_blocks, block_bytes=self.block_bytes
+            base_addr=self.base_addr,
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            device_id=self.device_id,
+            memory=self.memory,
         )
+
+    def host_blocks(self) -> np.ndarray:
+        """[num_blocks, block_bytes] uint8 numpy view of a host cache, in place (not staged)."""
+        if self.staged:
+            raise ValueError("a staged (device) cache has no host view: use gather/scatter")
+        return self.blocks.numpy()
+
+    def staging(self, n: int) -> np.ndarray:
+        """An empty [n, block_bytes] uint8 host buffer (pinned where CUDA is present)."""
+        buf = torch.empty(
+            (n, self.block_bytes), dtype=torch.uint8, device="cpu", pin_memory=self._pin
+        )
+        return buf.numpy()
+
+    def gather(self, block_ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The bytes of `block_ids`, in order, copied into host memory ([n, block_bytes];
+        into `out` if given). Waits for the copy (and so for the work that wrote them)."""
+        ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)).to(self.device)
+        rows = out if out is not None else self.staging(len(block_ids))
+        torch.from_numpy(rows).copy_(self.blocks.index_select(0, ids))
+        return rows
+
+    def scatter(self, block_ids: np.ndarray, rows: np.ndarray) -> None:
+        """Write host `rows` ([n, block_bytes] uint8) into `block_ids`, in order; waits."""
+        ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64)).to(self.device)
+        data = torch.from_numpy(rows).to(self.device, non_blocking=self._pin)
+        self.blocks.index_copy_(0, ids, data)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def block_addrs(self, region: KVRegion | None = None) -> np.ndarray:
         """[num_blocks, 3] uint64 rows (addr, len, device) — one descriptor per block."""

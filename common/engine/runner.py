@@ -75,6 +75,11 @@ class ModelRunner:
         hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
         if not x.sample_rows:
             self.last_sample_s = 0.0
+            if self.device.type == "cuda":
+                # Nothing to sample, so nothing waits for the GPU: wait here, because the KV
+                # this step wrote may be shipped (streamed groups) as soon as it returns, by a
+                # DMA that does not follow this stream.
+                torch.cuda.synchronize(self.device)
             return []
         logits = self.model.compute_logits(hidden[x.sample_rows])
         started = time.perf_counter()

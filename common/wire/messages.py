@@ -90,15 +90,20 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
 # -- KV-transfer handshake -------------------------------------------------------------------
 
 
+MemoryKind = Literal["DRAM", "VRAM"]  # NIXL's names: host memory, a GPU's memory
+
+
 class KVRegion(BaseModel):
-    """A node's registered KV cache: block i is [base_addr + i*block_bytes, +block_bytes)."""
+    """A node's registered KV cache: block i is [base_addr + i*block_bytes, +block_bytes),
+    in host memory (DRAM) or on GPU `device_id` (VRAM)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     base_addr: int = Field(ge=0)
     num_blocks: int = Field(gt=0)
     block_bytes: int = Field(gt=0)
-    device_id: int = 0
+    device_id: int = Field(default=0, ge=0)
+    memory: MemoryKind = "DRAM"
 
 
 class PeerInfo(BaseModel):

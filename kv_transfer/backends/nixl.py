@@ -87,8 +87,11 @@ class NixlBackend(Backend):
         self._agent = nixl_agent(agent_name, conf)
         if "UCX" not in self._agent.backends:
             raise TransportError("nixl: the UCX backend plugin is not available")
+        # A CUDA tensor registers as VRAM on its GPU, a host one as DRAM.
         self._reg = self._agent.register_memory(layout.tensor)
-        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", layout.block_addrs(), "DRAM")
+        self._local = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", layout.block_addrs(), layout.memory
+        )
         self._peers: dict[str, _NixlPeer] = {}
         self._posted: dict[str, OutgoingTransfer] = {}
         self._notify_inline = config.nixl_notify == "nixl"
@@ -103,7 +106,7 @@ class NixlBackend(Backend):
             if name != info.agent_name:
                 raise TransportError(f"nixl metadata names {name!r}, peer is {info.agent_name!r}")
             rows = self.layout.block_addrs(info.region)
-            dlist = self._agent.prep_xfer_dlist(name, rows, "DRAM")
+            dlist = self._agent.prep_xfer_dlist(name, rows, info.region.memory)
             self._agent.make_connection(name)
         except self._errors as e:
             raise TransportError(f"nixl: cannot add peer {info.agent_name}: {e}") from e

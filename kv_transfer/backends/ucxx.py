@@ -92,6 +92,10 @@ class _Requests:
     reqs: list
     upto: int = 0
     acked: bool = False  # sender side: the receiver's KVDone arrived
+    # A staged (device) cache: the host rows the tag messages read or fill, and (receiver)
+    # the blocks they are copied into once every message has landed.
+    staging: np.ndarray | None = None
+    dst: np.ndarray | None = None
 
     def complete(self) -> bool:
         while self.upto < len(self.reqs) and self.reqs[self.upto].completed:
@@ -122,7 +126,8 @@ class UcxxBackend(Backend):
         from ucxx._lib.arr import Array
 
         self._api, self._arr, self._tag = ucx_api, Array, ucx_api.UCXXTag
-        self._blocks = layout.blocks.numpy()  # [num_blocks, block_bytes] uint8, shared memory
+        # [num_blocks, block_bytes] uint8: a host cache in place; None: staged (a device cache)
+        self._blocks = None if layout.staged else layout.host_blocks()
         self._ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG,))
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._address = ucx_api.UCXAddress.create_from_worker(self._worker)
@@ -179,8 +184,12 @@ class UcxxBackend(Backend):
         )
         if not self.send(xfer.peer_id, header):
             raise TransportError(f"ucxx: cannot announce {xfer.request_id} to {xfer.peer_id}")
-        reqs = self._per_block(peer.ep.tag_send, peer.send_channel, peer.seq, xfer.src_ids)
-        self._sends[xfer.request_id] = _Requests(xfer.peer_id, xfer.request_id, reqs)
+        # A staged cache: the blocks copied to host rows first, sent from there.
+        staging = None if self._blocks is not None else self.layout.gather(xfer.src_ids)
+        reqs = self._per_block(peer.ep.tag_send, peer.send_channel, peer.seq, xfer.src_ids, staging)
+        self._sends[xfer.request_id] = _Requests(
+            xfer.peer_id, xfer.request_id, reqs, staging=staging
+        )
         return None
 
     def cancel(self, xfer: OutgoingTransfer) -> bool:
@@ -197,6 +206,8 @@ class UcxxBackend(Backend):
                     "ucxx: receive of %s from %s failed: %s", r.request_id, r.peer_id, err[0]
                 )
                 continue
+            if r.staging is not None and r.dst is not None:
+                self.layout.scatter(r.dst, r.staging)  # host rows -> the device blocks
             self.send(r.peer_id, KVDone(request_id=r.request_id))
             events.append(Landed(r.peer_id, r.request_id, len(r.reqs)))
         for r in [r for r in self._sends.values() if r.complete()]:
@@ -252,10 +263,26 @@ class UcxxBackend(Backend):
         except TransferRejected as e:
             self.send(peer_id, KVAborted(request_id=msg.request_id, reason=str(e)))
             return
-        reqs = self._per_block(peer.ep.tag_recv, peer.recv_channel, msg.xfer_id, dst)
-        self._recvs[msg.request_id] = _Requests(peer_id, msg.request_id, reqs)
+        # A staged cache: received into host rows, copied into the blocks once all landed.
+        staging = None if self._blocks is not None else self.layout.staging(dst.size)
+        reqs = self._per_block(peer.ep.tag_recv, peer.recv_channel, msg.xfer_id, dst, staging)
+        self._recvs[msg.request_id] = _Requests(
+            peer_id, msg.request_id, reqs, staging=staging, dst=dst
+        )
 
-    def _per_block(self, op: Callable, channel: int, xfer_id: int, block_ids: np.ndarray) -> list:
-        """One tag message per block: op(block i's memory, its tag), in order."""
-        base, arr, tag, blocks = _tag_base(channel, xfer_id), self._arr, self._tag, self._blocks
+    def _per_block(
+        self,
+        op: Callable,
+        channel: int,
+        xfer_id: int,
+        block_ids: np.ndarray,
+        staging: np.ndarray | None = None,
+    ) -> list:
+        """One tag message per block: op(block i's memory, its tag), in order; with
+        `staging`, row i of it stands for block i."""
+        base, arr, tag = _tag_base(channel, xfer_id), self._arr, self._tag
+        if staging is not None:
+            return [op(arr(staging[i]), tag(base | i)) for i in range(len(block_ids))]
+        blocks = self._blocks
+        assert blocks is not None
         return [op(arr(blocks[b]), tag(base | i)) for i, b in enumerate(block_ids)]

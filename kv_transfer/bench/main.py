@@ -9,7 +9,12 @@ bookkeeping) between the same processes, reported as backend "nixl-bare", and
 again with one small zmq message to the receiver after each write ("nixl-bare+notify").
 
     pdserve bench-transfer [--backends nixl,ucxx,zmq] [--shapes tiny,8b]
-                           [--blocks 1,8,64,512] [--reps N] [--json FILE]
+                           [--blocks 1,8,64,512] [--reps N] [--device cpu|cuda|cuda:N]
+                           [--json FILE]
+
+--device puts both caches on that device: with cuda, nixl moves VRAM to VRAM (and bare
+NIXL beside it), zmq and ucxx stage through pinned host memory, and the memcpy ceiling is a
+device-to-device copy.
 
 Backend settings come from TransferConfig.from_env (PDSERVE_KV_* variables).
 """
@@ -33,6 +38,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from common.engine.device import DeviceError, check_device
 from kv_transfer.bench.report import goals, markdown_table, write_plot
 from kv_transfer.config import BACKENDS
 
@@ -69,8 +75,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default="tiny,8b", help="comma list of tiny,8b")
     p.add_argument("--blocks", default="1,8,64,512", help="blocks per transfer, comma list")
     p.add_argument("--reps", type=int, default=20, help="timed repetitions per point (max)")
+    p.add_argument("--device", default="cpu", help="where both caches live: cpu, cuda, cuda:N")
     p.add_argument("--json", type=Path, help="write the records to this file (and a .png beside)")
     args = p.parse_args(argv)
+    try:
+        check_device(args.device)
+    except DeviceError as e:
+        p.error(str(e))
     args.backends = _choices(args.backends, BACKENDS, "--backends", p)
     args.shapes = _choices(args.shapes, tuple(SHAPES), "--shapes", p)
     try:
@@ -206,11 +217,12 @@ def bench_shape(
     """Every size for one shape. For nixl, each point is followed at once by its bare
     ceiling, so that both see the same background load."""
     s = SHAPES[shape]()
-    peers = setup_pair(sender, receiver, backend, s, 2 * max(args.blocks) + 1)
+    peers = setup_pair(sender, receiver, backend, s, 2 * max(args.blocks) + 1, args.device)
     bare: dict | None = receiver.call("bare_target") if backend == "nixl" else None
     records = []
     for n in args.blocks:
         rec = layer_point(sender, receiver, peers, backend, shape, s, n, args.reps)
+        rec["device"] = args.device
         records.append(rec)
         p50, gbps = rec["p50_us"], rec["gbps"]
         print(
@@ -225,13 +237,19 @@ def bench_shape(
 
 
 def setup_pair(
-    sender: WorkerProc, receiver: WorkerProc, backend: str, s: Shape, num_blocks: int
+    sender: WorkerProc,
+    receiver: WorkerProc,
+    backend: str,
+    s: Shape,
+    num_blocks: int,
+    device: str = "cpu",
 ) -> dict:
     peers: dict[str, str] = {}
     for role, w in (("sender", sender), ("receiver", receiver)):
         info: dict[str, str] = w.call(
-            "setup", backend=backend, shape=asdict(s), num_blocks=num_blocks, role=role
-        )
+            "setup", backend=backend, shape=asdict(s), num_blocks=num_blocks, role=role,
+            device=device,
+        )  # fmt: skip
         peers[role] = info["name"]
         peers[f"{role}_address"] = info["address"]
     receiver.call("connect", address=peers["sender_address"])

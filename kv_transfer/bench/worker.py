@@ -92,7 +92,8 @@ class Worker:
         self.teardown(a)
         s = a["shape"]
         shape = (a["num_blocks"], s["layers"], 2, s["block_size"], s["heads"], s["head_dim"])
-        self.cache = torch.empty(shape, dtype=_DTYPES[s["dtype"]])
+        device = torch.device(a.get("device", "cpu"))
+        self.cache = torch.empty(shape, dtype=_DTYPES[s["dtype"]], device=device)
         blocks = CacheLayout(self.cache).blocks
         fill = pattern_byte(np.arange(a["num_blocks"])) if a["role"] == "sender" else None
         for b in range(a["num_blocks"]):  # touch every page now, not during a timed transfer
@@ -134,8 +135,8 @@ class Worker:
 
     def verify(self, a: dict) -> bool:
         blocks = CacheLayout(self._cache()).blocks
-        want = torch.from_numpy(pattern_byte(np.asarray(a["src"])))
-        got = blocks[torch.tensor(a["dst"])]
+        want = torch.from_numpy(pattern_byte(np.asarray(a["src"]))).to(blocks.device)
+        got = blocks[torch.tensor(a["dst"], device=blocks.device)]
         return bool((got == want[:, None]).all())
 
     def memcpy(self, a: dict) -> list[float]:
@@ -144,14 +145,17 @@ class Worker:
         cache = self._cache()
         flat = CacheLayout(cache).blocks.view(-1)
         nbytes, bb = a["nbytes"], cache[0].numel() * cache.element_size()
-        dst = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=cache.device)
         dst.copy_(flat[:nbytes])  # fault the destination in
+        sync = torch.cuda.synchronize if cache.is_cuda else (lambda: None)
         starts = _region_starts(cache.shape[0], nbytes // bb, a["reps"])
         times = []
         for start in starts:
             src = flat[start * bb : start * bb + nbytes]
+            sync()
             t0 = time.perf_counter()
             dst.copy_(src)
+            sync()
             times.append(time.perf_counter() - t0)
         return times
 
@@ -200,9 +204,12 @@ class Worker:
         cache = self._cache()
         bb = cache[0].numel() * cache.element_size()
         n, num_blocks = a["nbytes"] // bb, cache.shape[0]
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _regions(base, num_blocks, n, bb), "DRAM")
+        mem, dev = ("VRAM", cache.device.index or 0) if cache.is_cuda else ("DRAM", 0)
+        local = agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _regions(base, num_blocks, n, bb, dev), mem
+        )  # (both workers run on the same device)
         remote = agent.prep_xfer_dlist(
-            self.bare["peer"], _regions(a["addr"], num_blocks, n, bb), "DRAM"
+            self.bare["peer"], _regions(a["addr"], num_blocks, n, bb, dev), mem
         )
         times = []
         try:
@@ -273,13 +280,15 @@ def _region_starts(num_blocks: int, n: int, reps: int) -> list[int]:
     return rng.integers(0, num_blocks - n + 1, size=reps).tolist()
 
 
-def _regions(base: int, num_blocks: int, n: int, block_bytes: int) -> np.ndarray:
+def _regions(
+    base: int, num_blocks: int, n: int, block_bytes: int, device_id: int = 0
+) -> np.ndarray:
     """[num_blocks - n + 1, 3] descriptors: n contiguous blocks starting at each block."""
     starts = np.arange(num_blocks - n + 1, dtype=np.uint64)
     rows = np.empty((starts.size, 3), dtype=np.uint64)
     rows[:, 0] = base + starts * block_bytes
     rows[:, 1] = n * block_bytes
-    rows[:, 2] = 0
+    rows[:, 2] = device_id
     return rows
 
 

@@ -78,6 +78,34 @@ def test_scattered_blocks_arrive_byte_exact(trio, dtype: str, layout: str) -> No
     assert not read(trio.decode1, untouched, d_spec.block_bytes).any()  # no stray bytes
 
 
+def test_staged_caches_move_byte_exact(trio) -> None:
+    """zmq and ucxx through host staging buffers on both sides (stage_host_cache: the path a
+    GPU cache takes, on CPU caches here): scattered blocks land exactly, nothing else moves."""
+    if trio.backend == "nixl":
+        pytest.skip("nixl moves a cache in place, host or device")
+    spec = dict(dtype="bfloat16", **LAYOUTS["3L-4H-8D-bs16"])
+    p_spec, d_spec = CacheSpec(num_blocks=24, **spec), CacheSpec(num_blocks=32, **spec)
+    staged = {"stage_host_cache": True}
+    p, d = start_pair(
+        trio.prefill, trio.decode1, trio.backend, p_spec, d_spec, staged, d_config=staged
+    )
+    trio.prefill.call("fill_pattern", ids=list(range(24)), seed=11)
+    src, dst = [17, 3, 9, 0, 22], [30, 1, 12, 7, 5]
+    trio.decode1.call("request", peer=p["name"], rid="staged", dst=dst)
+    transfer_requests(trio.prefill, 1)
+    trio.prefill.call("write", rid="staged", peer=d["name"], src=src, dst=dst)
+    assert [e["kind"] for e in terminal(collect(trio.prefill, count_terminal(1), WAIT))] == [
+        "TransferDone"
+    ]
+    d_events = terminal(collect(trio.decode1, count_terminal(1), WAIT))
+    assert [(e["kind"], e["request_id"]) for e in d_events] == [("KVReceived", "staged")]
+    assert np.array_equal(
+        read(trio.decode1, dst, d_spec.block_bytes), expected(11, src, p_spec.block_bytes)
+    )
+    untouched = [b for b in range(32) if b not in dst]
+    assert not read(trio.decode1, untouched, d_spec.block_bytes).any()
+
+
 def test_32_concurrent_transfers_one_prefill_two_decodes(trio) -> None:
     tiny = dict(layers=4, heads=2, dim=64, block_size=16)  # the default model's block: 64 KiB
     p_spec, d_spec = CacheSpec(num_blocks=160, **tiny), CacheSpec(num_blocks=96, **tiny)

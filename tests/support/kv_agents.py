@@ -201,11 +201,12 @@ def start_pair(
     d_spec: CacheSpec,
     p_config: dict | None = None,
     d_shm: Path | None = None,
+    d_config: dict | None = None,
 ) -> tuple[dict, dict]:
     """Fresh agents on both nodes; decode connects to prefill (it learns the address
     from the KVHandle in the real flow). Returns both start() results ({address, name})."""
     p = prefill.start(backend, "prefill", p_spec.as_dict(), config=p_config or {})
     d_cache = d_spec.as_dict(shm_path=str(d_shm) if d_shm else None)
-    d = decode.start(backend, "decode", d_cache)
+    d = decode.start(backend, "decode", d_cache, config=d_config or {})
     assert decode.call("connect", address=p["address"]) == p["name"]
     return p, d
