@@ -30,7 +30,6 @@ from kernels.checks import (
     check_cache,
     check_heads,
     check_tensor,
-    require,
 )
 from kernels.triton_tiles import LOG2E, load_kv_tile, softmax_update
 from kernels.triton_utils import check_launchable, dot_options
@@ -200,17 +199,19 @@ def _check_decode(
 ) -> None:
     check_cache(kv_cache, layer)
     check_tensor("q", q, 3, FLOAT_DTYPES, kv_cache.device)
-    require(q.dtype == kv_cache.dtype, f"q is {q.dtype} but kv_cache is {kv_cache.dtype}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but kv_cache is {kv_cache.dtype}")
     check_heads(q.shape[1], kv_cache.shape[4], q.shape[2], kv_cache.shape[5])
     check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, q.device, False)
     check_tensor("context_lens", context_lens, 1, INDEX_DTYPES, q.device, False)
     num_seqs = q.shape[0]
-    require(
-        block_tables.shape[0] == num_seqs and context_lens.shape[0] == num_seqs,
-        f"{num_seqs} queries but block_tables {tuple(block_tables.shape)} and "
-        f"context_lens {tuple(context_lens.shape)}",
-    )
-    require(num_seqs == 0 or block_tables.shape[1] > 0, "block_tables has no columns")
+    if not (block_tables.shape[0] == num_seqs and context_lens.shape[0] == num_seqs):
+        raise ValueError(
+            f"{num_seqs} queries but block_tables {tuple(block_tables.shape)} and "
+            f"context_lens {tuple(context_lens.shape)}"
+        )
+    if not (num_seqs == 0 or block_tables.shape[1] > 0):
+        raise ValueError("block_tables has no columns")
     check_launchable(q, kv_cache, block_tables, context_lens)
 
 
@@ -245,7 +246,8 @@ def paged_decode_attention(
     tiles = -(-block_tables.shape[1] * block_size // block_n)  # bound: no .max() sync
     if num_splits is None:
         num_splits = _num_splits(q.device, num_seqs * num_kv_heads, tiles)
-    require(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     num_splits = min(num_splits, tiles)
     split_len = -(-tiles // num_splits) * block_n
     split = num_splits > 1

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_tensor, require
+from kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_cache, check_tensor
 from kernels.triton_utils import check_launchable
 
 _CHUNK = 4096  # elements one pack/unpack program copies
@@ -77,16 +77,16 @@ def store_kv(
     _, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, 3, FLOAT_DTYPES, kv_cache.device)
-        require(
-            tuple(t.shape[1:]) == (num_kv_heads, head_dim),
-            f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}",
-        )
+        if tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}"
+            )
     check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES, kv_cache.device, False)
     num_tokens = slot_mapping.shape[0]
-    require(
-        k.shape[0] == num_tokens and v.shape[0] == num_tokens,
-        f"slot_mapping has {num_tokens} slots but k has {k.shape[0]} and v {v.shape[0]} rows",
-    )
+    if not (k.shape[0] == num_tokens and v.shape[0] == num_tokens):
+        raise ValueError(
+            f"slot_mapping has {num_tokens} slots but k has {k.shape[0]} and v {v.shape[0]} rows"
+        )
     check_launchable(kv_cache, k, v, slot_mapping)
     if num_tokens == 0:
         return
@@ -128,18 +128,23 @@ def _copy_blocks_kernel(
 
 def _check_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
     check_cache(kv_cache)
-    require(kv_cache.is_contiguous(), "kv_cache must be contiguous (one block, one region)")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous (one block, one region)")
     check_tensor("block_ids", block_ids, 1, INDEX_DTYPES, kv_cache.device, False)
     check_tensor("staging", staging, kv_cache.dim(), (kv_cache.dtype,), kv_cache.device)
-    require(staging.is_contiguous(), "the staging buffer must be contiguous")
-    require(
+    if not staging.is_contiguous():
+        raise ValueError("the staging buffer must be contiguous")
+    if not (
         tuple(staging.shape[1:]) == tuple(kv_cache.shape[1:])
-        and staging.shape[0] >= block_ids.shape[0],
-        f"staging must be [>= {block_ids.shape[0]}, *{tuple(kv_cache.shape[1:])}], "
-        f"got {tuple(staging.shape)}",
-    )
+        and staging.shape[0] >= block_ids.shape[0]
+    ):
+        raise ValueError(
+            f"staging must be [>= {block_ids.shape[0]}, *{tuple(kv_cache.shape[1:])}], "
+            f"got {tuple(staging.shape)}"
+        )
     chunks = triton.cdiv(kv_cache[0].numel(), _CHUNK)
-    require(chunks <= _MAX_GRID_Y, f"a block of {kv_cache[0].numel()} elements is too large")
+    if chunks > _MAX_GRID_Y:
+        raise ValueError(f"a block of {kv_cache[0].numel()} elements is too large")
     check_launchable(kv_cache, block_ids, staging)
 
 

@@ -17,7 +17,6 @@ from kernels.checks import (
     check_cache,
     check_heads,
     check_tensor,
-    require,
 )
 from kernels.triton_tiles import LOG2E, load_kv_tile, softmax_update
 from kernels.triton_utils import check_launchable, dot_options
@@ -114,18 +113,20 @@ def paged_prefill_attention(
     """
     check_cache(kv_cache, layer)
     check_tensor("q", q, 3, FLOAT_DTYPES, kv_cache.device)
-    require(q.dtype == kv_cache.dtype, f"q is {q.dtype} but kv_cache is {kv_cache.dtype}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but kv_cache is {kv_cache.dtype}")
     n, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     check_heads(num_heads, num_kv_heads, head_dim, kv_cache.shape[5])
     check_tensor("block_table", block_table, 1, INDEX_DTYPES, q.device, False)
-    require(start_pos >= 0, f"start_pos must be >= 0, got {start_pos}")
+    if start_pos < 0:
+        raise ValueError(f"start_pos must be >= 0, got {start_pos}")
     need = -(-(start_pos + n) // block_size)
-    require(
-        block_table.shape[0] >= need,
-        f"block_table has {block_table.shape[0]} blocks; positions up to "
-        f"{start_pos + n} need {need}",
-    )
+    if block_table.shape[0] < need:
+        raise ValueError(
+            f"block_table has {block_table.shape[0]} blocks; positions up to "
+            f"{start_pos + n} need {need}"
+        )
     check_launchable(q, kv_cache, block_table)
     out = torch.empty((n, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if n == 0:

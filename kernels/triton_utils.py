@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 from triton import knobs
 
-from kernels.checks import require
-
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 
@@ -19,12 +17,12 @@ def check_launchable(*tensors: object) -> None:
     """Compiled Triton needs CUDA tensors; the interpreter takes CPU ones."""
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            require(
-                t.is_cuda or INTERPRETED,
-                f"Triton kernels need CUDA tensors, got one on {t.device} "
-                "(on CPU use the torch backend, or set TRITON_INTERPRET=1 before "
-                "kernels.triton_* is imported to run them under the interpreter)",
-            )
+            if not (t.is_cuda or INTERPRETED):
+                raise ValueError(
+                    f"Triton kernels need CUDA tensors, got one on {t.device} "
+                    "(on CPU use the torch backend, or set TRITON_INTERPRET=1 before "
+                    "kernels.triton_* is imported to run them under the interpreter)"
+                )
 
 
 def dot_options(dtype: torch.dtype) -> dict[str, object]:

@@ -351,6 +351,29 @@ class LLMEngine:
             for rid, p in zip(ids, prompts, strict=True)
         ]
 
+    def warm_up(self) -> float:
+        """Run each kind of step once before serving: a prefill of more than one block with
+        a decode batch behind it, greedy and sampled rows, so that the first request does
+        not pay for first use (Triton on CUDA compiles each kernel variant then; the CPU
+        warms its allocator and oneDNN's kernels). Leaves no trace: the cached blocks are
+        forgotten and the eviction count restored. Seconds taken. Call before the engine
+        thread starts."""
+        started = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        n = max(1, min(2 * self.config.block_size + 1, self.max_model_len - 4))
+        prompts = [[(7 * i + 3) % vocab for i in range(n)], [1 % vocab, 2 % vocab]]
+        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        sampled = SamplingParams(
+            temperature=0.8, top_k=8, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True
+        )
+        evictions = self.allocator.evictions
+        self.generate(prompts, [greedy, sampled])
+        self.allocator.reset_cache()
+        self.allocator.evictions = evictions
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
     # -- the step (engine thread) ----------------------------------------------
 
     def has_work(self) -> bool:

@@ -130,6 +130,14 @@ class NodeRuntime:
     async def start(cls, config: NodeConfig) -> NodeRuntime:
         """Load the model (off the event loop) and start the engine thread."""
         engine = await asyncio.to_thread(LLMEngine, config.engine)
+        # Before /health answers 200: the first request must not pay for first use.
+        seconds = await asyncio.to_thread(engine.warm_up)
+        log.info(
+            "engine warmed up in %.2f s (%s kernels on %s)",
+            seconds,
+            engine.kernels.name,
+            engine.device,
+        )
         fingerprint = Fingerprint.for_kv_cache(engine.kv_cache, engine.weights_hash)
         metrics = NodeMetrics(CollectorRegistry())
         engine.on_step = metrics.observe_step
