@@ -48,6 +48,10 @@ class Kernels:
     paged_prefill_attention: Callable[..., torch.Tensor]
     pack_blocks: Callable[..., torch.Tensor]
     unpack_blocks: Callable[..., None]
+    # Every prefill chunk of a step in one launch (kernels.reference's contract); None: the
+    # step calls paged_prefill_attention once per chunk (the torch reference: SDPA per
+    # sequence is what it would do inside anyway).
+    paged_prefill_attention_varlen: Callable[..., torch.Tensor] | None = None
 
 
 TORCH = Kernels(
@@ -74,6 +78,7 @@ def _load_triton() -> Kernels | KernelBackendError:
         paged_prefill_attention=triton_prefill.paged_prefill_attention,
         pack_blocks=triton_cache.pack_blocks,
         unpack_blocks=triton_cache.unpack_blocks,
+        paged_prefill_attention_varlen=triton_prefill.paged_prefill_attention_varlen,
     )
 
 

@@ -108,6 +108,31 @@ def paged_prefill_attention(
     return out[0].transpose(0, 1)
 
 
+def paged_prefill_attention_varlen(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    cu_q: torch.Tensor,
+    start_pos: torch.Tensor,
+    max_q: int,
+    scale: float,
+) -> torch.Tensor:
+    """Several sequences' causal chunks at once: q [total_q, num_heads, head_dim] holds them
+    one after another, sequence i's as rows [cu_q[i], cu_q[i + 1]) at positions from
+    start_pos[i]; block_tables [num_seqs, width]. `max_q` (the longest chunk) sizes a
+    kernel's grid; unused here. Returns [total_q, num_heads, head_dim]."""
+    out = torch.empty_like(q)
+    bounds, starts = cu_q.tolist(), start_pos.tolist()
+    for i, start in enumerate(starts):
+        lo, hi = bounds[i], bounds[i + 1]
+        if hi > lo:
+            out[lo:hi] = paged_prefill_attention(
+                q[lo:hi], kv_cache, layer, block_tables[i], start, scale
+            )
+    return out
+
+
 def pack_blocks(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -27,7 +27,8 @@
 # process itself) and the benchmark client are not bound: in every deployment they float over
 # the same cores and take the same share, so no deployment gets a core another lacks.
 # Each deployment gets a free port, is ready when its /health answers 200, is warmed up with a
-# few requests, benchmarked, then stopped by pid (SIGTERM, SIGKILL after a grace period); an
+# few requests, benchmarked (each run after POST /admin/reset_prefix_cache, so that no run
+# finds the prompts of the one before in a cache), then stopped by pid (SIGTERM, SIGKILL after a grace period); an
 # EXIT trap stops whatever is still running. Then scripts/compare_report.py writes
 # DIR/report.md: the model, the objectives (SLOs) and each deployment's flags; one row per
 # deployment (TTFT, TPOT, ITL p50/p99, the share of requests meeting the SLOs at the one
@@ -230,9 +231,12 @@ start_deployment() {
 }
 
 client_args() {  # sets `common`: the bench-serve flags every run against $url shares
+    # --reset-prefix-cache: every run (the fixed-rate one, each of a search's) starts with
+    # cold caches, although it re-sends the dataset's prompts (the first search runs without
+    # it hit the cache 96% of the time)
     common=(--base-url "$url" --endpoint completions --dataset "$dataset" --seed "$seed"
             --max-concurrency "$max_conc" --request-timeout-s "$request_timeout"
-            --drain-timeout-s "$request_timeout" --no-progress)
+            --drain-timeout-s "$request_timeout" --no-progress --reset-prefix-cache)
 }
 
 bench() {  # bench NAME: warm-up, then the measured run into $out/NAME/

@@ -10,7 +10,7 @@ import torch
 from common.engine.sampling import sample
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
-from common.model.attention import AttentionMetadata, PrefillSlice
+from common.model.attention import AttentionMetadata, PrefillBatch, PrefillSlice
 from common.model.decoder import LlamaForCausalLM
 from kernels.dispatch import Kernels
 
@@ -34,6 +34,7 @@ class ModelRunner:
         self.kernels = kernels
         self.device = kv_cache.device
         self.last_sample_s = 0.0  # the sampling time of the last run() (engine metrics)
+        self._varlen = kernels.paged_prefill_attention_varlen is not None
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs = self.block_size
@@ -66,6 +67,7 @@ class ModelRunner:
             decode_context_lens=self._tensor([s.num_computed_tokens + 1 for s in decode]),
             prefills=prefills,
             kernels=self.kernels,
+            prefill_batch=self._prefill_batch(batch) if prefills and self._varlen else None,
         )
         return StepInputs(self._tensor(ids), self._tensor(positions), meta, rows, sample_seqs)
 
@@ -90,6 +92,26 @@ class ModelRunner:
         )
         self.last_sample_s = time.perf_counter() - started
         return tokens
+
+    def _prefill_batch(self, batch: ScheduledBatch) -> PrefillBatch:
+        """The step's prefill chunks (every sequence after the decodes) for one launch."""
+        bs = self.block_size
+        seqs = batch.seqs[batch.num_decode :]
+        lens = batch.num_new[batch.num_decode :]
+        used = [-(-(s.num_computed_tokens + n) // bs) for s, n in zip(seqs, lens, strict=True)]
+        width = max(used)
+        tables = [s.block_table[:u] + [0] * (width - u) for s, u in zip(seqs, used, strict=True)]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        return PrefillBatch(
+            block_tables=self._tensor(tables).view(len(seqs), width),
+            cu_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            start_pos=torch.tensor(
+                [s.num_computed_tokens for s in seqs], dtype=torch.int32, device=self.device
+            ),
+            max_q=max(lens),
+        )
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64, device=self.device)

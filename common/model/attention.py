@@ -25,6 +25,17 @@ class PrefillSlice:
 
 
 @dataclass
+class PrefillBatch:
+    """Every prefill chunk of the step, for a one-launch (varlen) prefill kernel: chunk i is
+    rows [cu_q[i], cu_q[i + 1]) of the step's prefill tokens (those after the decodes)."""
+
+    block_tables: torch.Tensor  # [num_prefills, width] int64, zero-padded
+    cu_q: torch.Tensor  # [num_prefills + 1] int32
+    start_pos: torch.Tensor  # [num_prefills] int32
+    max_q: int  # the longest chunk
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode: int
@@ -32,6 +43,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decode] int64
     prefills: list[PrefillSlice]
     kernels: Kernels  # the engine's kernel backend, resolved once (kernels/dispatch.py)
+    # Set when the kernels have a varlen prefill: then one launch covers every chunk.
+    prefill_batch: PrefillBatch | None = None
 
 
 def paged_attention(
@@ -56,6 +69,13 @@ def paged_attention(
         out[:nd] = kern.paged_decode_attention(
             q[:nd], kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens, scale
         )
+    batch = meta.prefill_batch
+    if batch is not None and kern.paged_prefill_attention_varlen is not None:
+        out[nd:] = kern.paged_prefill_attention_varlen(
+            q[nd:], kv_cache, layer, batch.block_tables, batch.cu_q, batch.start_pos,
+            batch.max_q, scale,
+        )  # fmt: skip
+        return out
     for p in meta.prefills:
         end = p.query_start + p.query_len
         out[p.query_start : end] = kern.paged_prefill_attention(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -135,6 +137,44 @@ def test_prefill_table_longer_than_needed(triton_ops, device):
     q = randn(5, 4, 64, dtype=torch.float32, device=device, seed=3)
     want = reference.paged_prefill_attention(q, cache, 0, table[:2], 9, 0.125)
     _close(triton_ops.paged_prefill_attention(q, cache, 0, table, 9, 0.125), want)
+
+
+@CORNERS
+def test_varlen_prefill_matches_each_chunk_alone(
+    triton_ops, device, block_size, head_dim, group, dtype
+):
+    """One launch for a step's chunks: a one-token chunk, a first chunk, one after a cached
+    prefix ending mid-block, and one spanning two query tiles; each equals the reference
+    run on that chunk alone (a shorter chunk's programs past its end do nothing)."""
+    chunks = [(0, 1), (0, 19), (block_size + 5, block_size + 2), (3, 70)]  # (start, n)
+    num_blocks = 48
+    cache = make_cache(num_blocks, block_size, head_dim, dtype, device)
+    tables = block_tables([s + n for s, n in chunks], block_size, num_blocks, seed=5).to(device)
+    total = sum(n for _, n in chunks)
+    q = randn(total, NUM_KV_HEADS * group, head_dim, dtype=dtype, device=device, seed=6)
+    cu = torch.tensor([0, *itertools.accumulate(n for _, n in chunks)], dtype=torch.int32)
+    starts = torch.tensor([s for s, _ in chunks], dtype=torch.int32)
+    scale = head_dim**-0.5
+    args = (q, cache, 1, tables, cu.to(device), starts.to(device), max(n for _, n in chunks))
+    got = triton_ops.paged_prefill_attention_varlen(*args, scale)
+    want = reference.paged_prefill_attention_varlen(*args, scale)
+    _close(got, want)
+    for i, (start, n) in enumerate(chunks):  # the reference's loop, spelled out
+        lo = int(cu[i])
+        alone = reference.paged_prefill_attention(
+            q[lo : lo + n], cache, 1, tables[i], start, scale
+        )
+        _close(got[lo : lo + n], alone)
+
+
+def test_varlen_prefill_rejects_mismatched_rows(triton_ops, device):
+    cache = make_cache(4, 16, 64, torch.float32, device)
+    q = torch.zeros(10, 4, 64, device=device)
+    tables = torch.zeros(2, 1, dtype=torch.int64, device=device)
+    cu = torch.tensor([0, 10], dtype=torch.int32, device=device)
+    starts = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="2 block table rows"):
+        triton_ops.paged_prefill_attention_varlen(q, cache, 0, tables, cu, starts, 10, 0.1)
 
 
 # -- argument checks ---------------------------------------------------------------
