@@ -1,6 +1,19 @@
 #!/usr/bin/env bash
-# GPU check of kernels/: the kernel tests on CUDA (compiled Triton, no interpreter),
-# then a timing table of paged decode attention, Triton vs torch SDPA.
+# The one-shot GPU check (issue 17): everything that needs a CUDA GPU, in one run of a few
+# minutes on one H100/H200, with a JSON and a markdown report in $PDSERVE_GPU_OUT (default
+# out/gpu_check):
+#   1. kernels   the kernel tests on CUDA (compiled Triton, no interpreter)
+#   2. stress    scripts/gpu_stress.py: bf16/fp16 against a float32 reference, NaN in every
+#                unused slot (heads 32/8 and 64/8, head_dim 64/96/128, block sizes 1/16/128,
+#                contexts 1 to 32k, splits auto and 1, prefill at position 30k, a cache of
+#                more than 2^31 elements)
+#   3. engine    the engine on CUDA: Triton vs torch (greedy), sampled rows, --device paths
+#   4. service   `pdserve up`-style 1P1D, both nodes on the GPU, through the openai client,
+#                equal to offline; and every KV backend (nixl VRAM to VRAM, zmq/ucxx staged)
+#   5. decode    paged decode attention timing and GB/s, Triton vs torch SDPA
+#   6. transfer  bench-transfer --device cuda: nixl VRAM to VRAM beside bare NIXL
+#   7. steps     bench_engine on CUDA in bf16: decode tokens/s per batch size
+# Not covered: CUDA graphs (not built yet), prefill TFLOP/s against SDPA.
 #
 #   scripts/gpu_check.sh                 # run from anywhere
 #
@@ -16,9 +29,11 @@
 #      installed from $PDSERVE_TORCH_INDEX (default the PyTorch cu128 index).
 # This checkout goes first on PYTHONPATH either way, so its code is what is tested.
 #
-# Environment: PDSERVE_BENCH_ARGS (extra flags for scripts/bench_kernels.py),
-# PDSERVE_PYTEST_ARGS (extra flags for pytest).
-# Exit status: 0 if the kernel tests pass and the benchmark runs; else nonzero.
+# Environment: PDSERVE_GPU_STEPS (the steps to run, default all: kernels,stress,engine,
+# service,decode,transfer,steps), PDSERVE_BENCH_ARGS (extra flags for
+# scripts/bench_kernels.py), PDSERVE_PYTEST_ARGS (extra flags for pytest),
+# PDSERVE_STRESS_ARGS (for gpu_stress.py, e.g. --quick).
+# Exit status: 0 if every step passed; else 1.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -83,16 +98,41 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # Compiled Triton, and the engine's own backend choice: nothing forced.
 unset TRITON_INTERPRET PDSERVE_KERNELS
 
-log "kernel tests on CUDA"
-# shellcheck disable=SC2086
-"$PY" -m pytest tests/kernels -q -p no:cacheprovider ${PDSERVE_PYTEST_ARGS:-}
-TESTS=$?
+OUT=${PDSERVE_GPU_OUT:-out/gpu_check}
+mkdir -p "$OUT"
+STEPS=${PDSERVE_GPU_STEPS:-kernels,stress,engine,service,decode,transfer,steps}
+: >"$OUT/steps.tsv"
+step() {  # step NAME CMD...: run it, its output to $OUT/NAME.log and the terminal
+    local name=$1 started rc
+    shift
+    [[ ",$STEPS," == *",$name,"* ]] || return 0
+    log "$name: $*"
+    started=$(date +%s)
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - started))" >>"$OUT/steps.tsv"
+}
 
-log "paged decode attention timing"
 # shellcheck disable=SC2086
-"$PY" scripts/bench_kernels.py ${PDSERVE_BENCH_ARGS:-}
-BENCH=$?
+step kernels "$PY" -m pytest tests/kernels -q -p no:cacheprovider ${PDSERVE_PYTEST_ARGS:-}
+# shellcheck disable=SC2086
+step stress "$PY" scripts/gpu_stress.py --json "$OUT/stress.json" ${PDSERVE_STRESS_ARGS:-}
+step engine "$PY" -m pytest -q -p no:cacheprovider tests/common/engine/test_device.py \
+    tests/common/engine/test_sampling.py tests/common/engine/test_warm_up.py
+step service "$PY" -m pytest -q -p no:cacheprovider \
+    "tests/e2e/test_service.py::test_openai_client_streams_chat_and_completion_equal_to_offline" \
+    "tests/e2e/test_service.py::test_every_kv_backend_serves_equal_to_offline"
+# shellcheck disable=SC2086
+step decode "$PY" scripts/bench_kernels.py ${PDSERVE_BENCH_ARGS:-}
+step transfer "$PY" -m common.cli bench-transfer --device cuda --backends nixl,zmq \
+    --shapes 8b --blocks 1,64,512 --json "$OUT/transfer.json"
+# (the tiny model: the GPU machine may have no network to fetch SmolLM2 from PyPI)
+step steps "$PY" scripts/bench_engine.py --model tiny --device cuda --dtype bfloat16 \
+    --no-transformers --batches 1,8,32 --json "$OUT/engine.json"
 
-log "summary: kernel tests exit $TESTS, benchmark exit $BENCH"
-if ((TESTS != 0)); then exit "$TESTS"; fi
-exit "$BENCH"
+"$PY" scripts/gpu_report.py "$OUT"
+
+log "summary"
+cat "$OUT/steps.tsv"
+if awk -F'\t' '$2 != 0 {bad = 1} END {exit !bad}' "$OUT/steps.tsv"; then exit 1; fi
+exit 0
