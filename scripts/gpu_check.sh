@@ -13,7 +13,9 @@
 #   5. decode    paged decode attention timing and GB/s, Triton vs torch SDPA
 #   6. transfer  bench-transfer --device cuda: nixl VRAM to VRAM beside bare NIXL
 #   7. steps     bench_engine on CUDA in bf16: decode tokens/s per batch size
-# Not covered: CUDA graphs (not built yet), prefill TFLOP/s against SDPA.
+#   8. graphs    --cuda-graphs: graphed decode equal to eager (tests), then step time, wall
+#                and GPU, eager vs graphed at live batches between the captured sizes
+# Not covered: prefill TFLOP/s against SDPA.
 #
 #   scripts/gpu_check.sh                 # run from anywhere
 #
@@ -30,7 +32,7 @@
 # This checkout goes first on PYTHONPATH either way, so its code is what is tested.
 #
 # Environment: PDSERVE_GPU_STEPS (the steps to run, default all: kernels,stress,engine,
-# service,decode,transfer,steps), PDSERVE_BENCH_ARGS (extra flags for
+# service,decode,transfer,steps,graphs), PDSERVE_BENCH_ARGS (extra flags for
 # scripts/bench_kernels.py), PDSERVE_PYTEST_ARGS (extra flags for pytest),
 # PDSERVE_STRESS_ARGS (for gpu_stress.py, e.g. --quick).
 # Exit status: 0 if every step passed; else 1.
@@ -100,7 +102,7 @@ unset TRITON_INTERPRET PDSERVE_KERNELS
 
 OUT=${PDSERVE_GPU_OUT:-out/gpu_check}
 mkdir -p "$OUT"
-STEPS=${PDSERVE_GPU_STEPS:-kernels,stress,engine,service,decode,transfer,steps}
+STEPS=${PDSERVE_GPU_STEPS:-kernels,stress,engine,service,decode,transfer,steps,graphs}
 : >"$OUT/steps.tsv"
 step() {  # step NAME CMD...: run it, its output to $OUT/NAME.log and the terminal
     local name=$1 started rc
@@ -129,6 +131,11 @@ step transfer "$PY" -m common.cli bench-transfer --device cuda --backends nixl,z
 # (the tiny model: the GPU machine may have no network to fetch SmolLM2 from PyPI)
 step steps "$PY" scripts/bench_engine.py --model tiny --device cuda --dtype bfloat16 \
     --no-transformers --batches 1,8,32 --json "$OUT/engine.json"
+graphs() {
+    "$PY" -m pytest -q -p no:cacheprovider tests/common/engine/test_cuda_graphs.py || return 1
+    "$PY" scripts/bench_cuda_graphs.py --json "$OUT/graphs.json"
+}
+step graphs graphs
 
 "$PY" scripts/gpu_report.py "$OUT"
 

@@ -46,6 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "torch on CPU)",
     )
     g.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay decode steps from CUDA graphs (CUDA with the Triton kernels; captured at "
+        "start for batch sizes 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs)",
+    )
+    g.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
@@ -74,4 +80,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         threads=args.threads,
         kernel_backend=args.kernel_backend,
         enable_prefix_caching=args.prefix_caching,
+        cuda_graphs=args.cuda_graphs,
     )

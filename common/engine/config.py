@@ -26,6 +26,9 @@ class EngineConfig:
     # Automatic prefix caching: full blocks are shared by chained hash and kept, once free,
     # until their space is needed (block_allocator.py).
     enable_prefix_caching: bool = True
+    # Decode-only steps replayed from CUDA graphs (common/engine/cuda_graphs.py); CUDA and
+    # the Triton kernels only.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         check_device(self.device)

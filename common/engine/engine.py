@@ -30,6 +30,7 @@ from common.engine.commands import (
     ReleaseHeldKV,
 )
 from common.engine.config import EngineConfig
+from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.device import resolve_device
 from common.engine.records import RequestRecord
 from common.engine.runner import ModelRunner
@@ -123,6 +124,17 @@ class LLMEngine:
         self.kernels = kernels_for(self.device, config.kernel_backend)
         log.info("kernels: %s on %s", self.kernels.name, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.kernels)
+        if config.cuda_graphs:
+            if self.device.type != "cuda" or self.kernels.name != "triton":
+                raise ValueError(
+                    "--cuda-graphs needs a CUDA device and the Triton kernels, got "
+                    f"{self.device} with {self.kernels.name}"
+                )
+            width = -(-self.max_model_len // config.block_size)
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.kv_cache, self.kernels, config.max_num_seqs, width
+            )
+            self.runner.graphs.capture()
         self._inbox: deque[EngineCommand] = deque()
         self._records: dict[str, RequestRecord] = {}  # engine thread writes; others .get()
         # Ids submitted and not yet finished: the submitting thread adds, the engine thread

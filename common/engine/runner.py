@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.sampling import sample
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
@@ -35,6 +36,7 @@ class ModelRunner:
         self.device = kv_cache.device
         self.last_sample_s = 0.0  # the sampling time of the last run() (engine metrics)
         self._varlen = kernels.paged_prefill_attention_varlen is not None
+        self.graphs: DecodeGraphs | None = None  # set by the engine with --cuda-graphs
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs = self.block_size
@@ -74,6 +76,17 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int]:
         """One forward over the batch; returns the sampled token of each sampling entry."""
         x = self.prepare(batch)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and not x.meta.prefills
+            and x.sample_rows
+            and graphs.fits(batch.num_decode, x.meta.decode_block_tables.shape[1])
+        ):
+            logits = graphs.run(x.input_ids, x.positions, x.meta)  # one row per sequence
+            if len(x.sample_rows) != logits.shape[0]:
+                logits = logits[x.sample_rows]
+            return self._sample(logits, x)
         hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
         if not x.sample_rows:
             self.last_sample_s = 0.0
@@ -83,7 +96,9 @@ class ModelRunner:
                 # DMA that does not follow this stream.
                 torch.cuda.synchronize(self.device)
             return []
-        logits = self.model.compute_logits(hidden[x.sample_rows])
+        return self._sample(self.model.compute_logits(hidden[x.sample_rows]), x)
+
+    def _sample(self, logits: torch.Tensor, x: StepInputs) -> list[int]:
         started = time.perf_counter()
         tokens = sample(
             logits,
