@@ -88,6 +88,9 @@ class PendingConnect:
     their_nonce: bytes = b""  # the answerer's, from its Challenge
 
 
+_REDIAL_INTERVALS = 2  # heartbeat intervals between redials of a lost sender
+
+
 class Connections:
     def __init__(
         self,
@@ -105,6 +108,7 @@ class Connections:
         self._pending: dict[str, PendingConnect] = {}  # outbox key -> attempt
         self._next_channel = 1
         self._next_heartbeat = 0.0
+        self._next_redial = 0.0
         # Bounded memory of lost peers: id -> (engine id, side channel), its place
         self._lost_ids: OrderedDict[str, tuple[str, str]] = OrderedDict()
         token = config.cluster_token
@@ -313,6 +317,24 @@ class Connections:
             beat = Heartbeat(agent_name=self.me.agent_name, sent_at=time.time())
             for peer_id in self.peers:
                 self.side.send(peer_id, beat)
+        if now >= self._next_redial:
+            self._next_redial = now + _REDIAL_INTERVALS * self.config.heartbeat_interval_s
+            self._redial_quarantined()
+
+    def _redial_quarantined(self) -> None:
+        """Dial the lost senders of quarantined writes: the handshake's answer (the re-sent
+        Abort in book.peer_connected) is what ends a quarantine early, and without this it
+        came only with the next transfer from that sender, which may never be asked for.
+        Nothing waits on these connects; one that fails is tried again next interval."""
+        for peer_id in self.book.quarantined_peers():
+            place = self._lost_ids.get(peer_id)
+            if place is None or peer_id in self.peers:
+                continue
+            address = place[1]
+            if any(a.address == address for a in self._pending.values()):
+                continue
+            log.info("redialling %s at %s: it holds quarantined writes to us", peer_id, address)
+            self.connect(address, Future())
 
     def next_deadline(self) -> float:
         return self._next_heartbeat

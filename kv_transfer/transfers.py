@@ -275,6 +275,10 @@ class TransferBook:
             detail = "quarantine ended: the sender was replaced by a new incarnation"
             self._end_in(self.incoming[rid], InState.FAILED, FailureReason.PEER_LOST, detail)
 
+    def quarantined_peers(self) -> set[str]:
+        """The lost senders of the writes in quarantine."""
+        return {self.incoming[r].peer_id for r in self.quarantined}
+
     def _quarantined_of(self, peer_id: str) -> list[str]:
         return [r for r in self.quarantined if self.incoming[r].peer_id == peer_id]
 

@@ -259,6 +259,32 @@ def test_blocks_of_a_silent_sender_stay_quarantined_until_it_answers(trio, victi
         victim.call("write", rid="q", peer=d["name"], src=[3, 4], dst=[1, 2])
 
 
+def test_a_receiver_redials_a_lost_sender_to_end_its_quarantine(trio, victim) -> None:
+    """As above, but nobody connects again: the receiver itself redials the lost sender of
+    its quarantined write (every two heartbeats), so the quarantine ends with the sender's
+    answer, not with the 60 s timeout, even when no new transfer from it is ever asked for
+    (the decode node of a deployment whose later prompts are all prefilled locally)."""
+    if trio.backend != "nixl":
+        pytest.skip("only one-sided writes are quarantined")
+    spec = CacheSpec(num_blocks=8, layers=2, heads=2, dim=16, block_size=4)
+    p = victim.start(trio.backend, "prefill", spec.as_dict())
+    config = {"peer_timeout_s": 1.0, "heartbeat_interval_s": 0.2}
+    trio.decode1.start(trio.backend, "decode", spec.as_dict(), config=config)
+    assert trio.decode1.call("connect", address=p["address"]) == p["name"]
+    trio.decode1.call("request", peer=p["name"], rid="r", dst=[1, 2])
+    collect(victim, lambda ev: len(messages(ev, "transfer_request")) >= 1, WAIT)
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        events = collect(trio.decode1, lambda ev: any(e["kind"] == "PeerLost" for e in ev), WAIT)
+        assert trio.decode1.call("quarantined") == 1, events
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    (end,) = ended_once(collect(trio.decode1, count_terminal(1), WAIT), ["r"]).values()
+    assert end["kind"] == "TransferFailed" and "quarantine ended" in end["detail"], end
+    assert trio.decode1.call("quarantined") == 0
+    assert trio.decode1.call("quarantine_timeouts") == 0
+
+
 def test_quarantine_ends_when_a_new_incarnation_takes_the_address(trio, victim) -> None:
     """A sender killed and started again on the same address is a new incarnation: the old
     process can write nothing any more, so its quarantined blocks are released at the

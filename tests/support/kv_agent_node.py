@@ -86,6 +86,7 @@ class Node:
             "stop_agent": self.stop_agent,
             "rejected": lambda a: self.agent.rejected_messages,
             "quarantined": lambda a: self.agent.quarantined,
+            "quarantine_timeouts": lambda a: self.agent.quarantine_timeouts,
         }
 
     def start(self, a: dict) -> dict:
