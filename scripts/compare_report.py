@@ -372,7 +372,30 @@ def render_goodput(runs: list[Run]) -> list[str]:
     lines += ["", "Reading: " + verdict("goodput (DistServe)", "req/s", values, True) + "."]
     lines += [f"- {run.label}: {s['note']}." for run, s in zip(runs, searches, strict=True)]
     lines += ["", "![SLO attainment against the offered rate](goodput.png)", ""]
+    lines += _under_load(runs, searches)
     return lines
+
+
+def _under_load(runs: list[Run], searches: list[dict[str, Any]]) -> list[str]:
+    """Decode steadiness at each rate the searches ran: ITL p99 and TPOT p99 per run (the
+    fixed-rate row above is one light rate; prefill stalls show as the rate rises)."""
+    lines = [
+        "Decode under load, from the search runs: ITL p99 / TPOT p99 (ms) at each rate (req/s).",
+        "",
+        "| deployment | ITL p99 / TPOT p99 by rate |",
+        "|---|---|",
+    ]
+    for run, s in zip(runs, searches, strict=True):
+        cells = []
+        for r in sorted(s.get("runs", []), key=lambda r: float(r["config"]["rate"])):
+            itl, tpot = (r.get(k) or {} for k in ("itl_ms", "tpot_ms"))
+            i, t = itl.get("p99"), tpot.get("p99")
+            cells.append(
+                f"{float(r['config']['rate']):g}: {'-' if i is None else _short(i)} / "
+                f"{'-' if t is None else _short(t)}"
+            )
+        lines.append(f"| {run.label} | {', '.join(cells) or '-'} |")
+    return [*lines, ""]
 
 
 def plot_goodput(runs: list[Run], path: Path) -> None:
