@@ -62,12 +62,12 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         self.width = max_blocks_per_seq
         n = self.sizes[-1]
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slots = torch.full((n,), -1, **i64)
-        self.tables = torch.zeros((n, self.width), **i64)
-        self.context_lens = torch.ones(n, **i64)
+        i64 = torch.int64
+        self.input_ids = torch.zeros(n, dtype=i64, device=device)
+        self.positions = torch.zeros(n, dtype=i64, device=device)
+        self.slots = torch.full((n,), -1, dtype=i64, device=device)
+        self.tables = torch.zeros((n, self.width), dtype=i64, device=device)
+        self.context_lens = torch.ones(n, dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0
