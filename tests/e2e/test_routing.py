@@ -165,7 +165,7 @@ def test_reset_prefix_cache_empties_every_node_and_the_proxy_index(
     each run): every node forgets its unused cached blocks, the proxy's index follows their
     "removed" events, and a prompt computed before is computed in full again."""
     d = deployment
-    prompt = tokenizer.decode(_ids(tokenizer, 40000, 300))
+    prompt = tokenizer.decode(_ids(tokenizer, 6000, 300))
 
     async def cached(session: aiohttp.ClientSession) -> int:
         body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
