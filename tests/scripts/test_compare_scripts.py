@@ -193,12 +193,11 @@ def test_report_states_goodput_distserve_per_deployment(tmp_path: Path) -> None:
     assert "## Goodput (DistServe)" in text and "Model `smollm2-135m`" in text
     assert "TTFT <= 1000 ms and TPOT <= 50 ms, met by at least 90% of the requests" in text
     rows = _rows(text, "Goodput (DistServe)")
-    assert [row.split(" | ")[0] for row in rows] == [
-        "| colo-1x2",
-        "| colo-2x1",
-        "| static",
-        "| auto",
-    ]
+    labels = ["| colo-1x2", "| colo-2x1", "| static", "| auto"]
+    assert [row.split(" | ")[0] for row in rows] == [*labels, "| deployment", *labels]
+    load, rows = rows[5:], rows[:4]  # the second table: decode under load, by search rate
+    assert "Decode under load, from the search runs: ITL p99 / TPOT p99" in text
+    assert all(row.count(": ") == 5 for row in load[:1]), load
     assert "| colocated | 1.5 | 1.5 / 1.625 | 5 |" in rows[0]
     assert "1: 100%, 1.5: 100%, 1.625: 0%, 1.75: 0%, 2: 0%" in rows[0]
     assert "| colocated | 2 | 2 / 2.25 | 6 |" in rows[1]
