@@ -244,7 +244,9 @@ def test_report_goal_not_judged_without_both_kinds(tmp_path: Path) -> None:
     only = {k: v for k, v in FOUR.items() if k.startswith("colo")}
     text = _report(_deployments(tmp_path / "colo", only), tmp_path / "report.md")
     assert "**Goal not judged**: it needs a colocated and a disaggregated run." in text
-    assert "## Goodput (DistServe)" in text and len(_rows(text, "Goodput (DistServe)")) == 2
+    assert (
+        "## Goodput (DistServe)" in text and len(_rows(text, "Goodput (DistServe)")) == 5
+    )  # 2 + header + 2
 
 
 def test_report_goal_judges_a_lower_bound_goodput_only_when_it_decides(tmp_path: Path) -> None:
