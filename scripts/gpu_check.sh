@@ -15,7 +15,7 @@
 #   7. steps     bench_engine on CUDA in bf16: decode tokens/s per batch size
 #   8. graphs    --cuda-graphs: graphed decode equal to eager (tests), then step time, wall
 #                and GPU, eager vs graphed at live batches between the captured sizes
-# Not covered: prefill TFLOP/s against SDPA.
+#   9. prefill   scripts/bench_prefill.py: varlen prefill TFLOP/s against SDPA, 1k-16k tokens
 #
 #   scripts/gpu_check.sh                 # run from anywhere
 #
@@ -32,7 +32,7 @@
 # This checkout goes first on PYTHONPATH either way, so its code is what is tested.
 #
 # Environment: PDSERVE_GPU_STEPS (the steps to run, default all: kernels,stress,engine,
-# service,decode,transfer,steps,graphs), PDSERVE_BENCH_ARGS (extra flags for
+# service,decode,transfer,steps,graphs,prefill), PDSERVE_BENCH_ARGS (extra flags for
 # scripts/bench_kernels.py), PDSERVE_PYTEST_ARGS (extra flags for pytest),
 # PDSERVE_STRESS_ARGS (for gpu_stress.py, e.g. --quick).
 # Exit status: 0 if every step passed; else 1.
@@ -102,7 +102,7 @@ unset TRITON_INTERPRET PDSERVE_KERNELS
 
 OUT=${PDSERVE_GPU_OUT:-out/gpu_check}
 mkdir -p "$OUT"
-STEPS=${PDSERVE_GPU_STEPS:-kernels,stress,engine,service,decode,transfer,steps,graphs}
+STEPS=${PDSERVE_GPU_STEPS:-kernels,stress,engine,service,decode,transfer,steps,graphs,prefill}
 : >"$OUT/steps.tsv"
 step() {  # step NAME CMD...: run it, its output to $OUT/NAME.log and the terminal
     local name=$1 started rc
@@ -136,6 +136,7 @@ graphs() {
     "$PY" scripts/bench_cuda_graphs.py --json "$OUT/graphs.json"
 }
 step graphs graphs
+step prefill "$PY" scripts/bench_prefill.py --json "$OUT/prefill.json"
 
 "$PY" scripts/gpu_report.py "$OUT"
 

@@ -41,7 +41,7 @@ def main(out: Path) -> None:
         s = report["stress"]
         md += ["", f"stress grid: {s['cases'] - len(s['failed'])}/{s['cases']} cases pass"]
         md += [f"- FAIL {c}" for c in s["failed"][:20]]
-    for name in ("decode", "transfer", "steps", "graphs"):
+    for name in ("decode", "transfer", "steps", "graphs", "prefill"):
         log = out / f"{name}.log"
         if log.exists():
             md += ["", f"## {name}", "", "```", *log.read_text().splitlines()[-40:], "```"]
