@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from common.wire.auth import CLUSTER_TOKEN_ENV
 from proxy.bench.load import ARRIVALS, LoadConfig
 from proxy.bench.search import SearchConfig
 from proxy.bench.stats import Slo
@@ -43,6 +45,7 @@ class BenchConfig:
     progress: bool = True
     search: SearchConfig | None = None  # --goodput-search: rates holds only its start
     reset_prefix_cache: bool = False  # POST /admin/reset_prefix_cache before each run
+    admin_token: str | None = field(default=None, repr=False)  # that call's bearer token
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -177,6 +180,13 @@ def make_parser(description: str = "") -> argparse.ArgumentParser:
         help="POST /admin/reset_prefix_cache to the proxy before each run, so that every run "
         "(every rate of a sweep or search, which send the same prompts) starts with a cold "
         "prefix cache",
+    )
+    g.add_argument(
+        "--cluster-token-file",
+        type=Path,
+        default=None,
+        help="the cluster token the proxy's /admin endpoints want (`pdserve up` writes it to "
+        "<log dir>/cluster-token); default $PDSERVE_CLUSTER_TOKEN",
     )
     g = p.add_argument_group("requests")
     g.add_argument(
@@ -359,4 +369,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         progress=args.progress,
         search=search,
         reset_prefix_cache=args.reset_prefix_cache,
+        admin_token=_admin_token(args.cluster_token_file),
     )
+
+
+def _admin_token(path: Path | None) -> str | None:
+    if path is None:
+        return os.environ.get(CLUSTER_TOKEN_ENV) or None
+    try:
+        return path.read_text().strip() or None
+    except OSError as e:
+        raise ValueError(f"--cluster-token-file: cannot read {path}: {e}") from None

@@ -85,12 +85,15 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
         raise ValueError(f"cannot read the model list at {url} ({e!r}); pass --model") from None
 
 
-async def reset_prefix_cache(session: aiohttp.ClientSession, base_url: str) -> None:
+async def reset_prefix_cache(
+    session: aiohttp.ClientSession, base_url: str, token: str | None = None
+) -> None:
     """Every node behind the proxy forgets its unused cached blocks; ValueError if not."""
     url = base_url + "/admin/reset_prefix_cache"
     try:
         timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
-        async with session.post(url, timeout=timeout) as resp:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        async with session.post(url, timeout=timeout, headers=headers) as resp:
             body = await resp.text()
             if resp.status != 200:
                 raise ValueError(f"POST {url}: HTTP {resp.status}: {body[:300]}")
@@ -122,7 +125,7 @@ async def run_rate(
     """One run at `rate`: the JSON document and the raw samples (for the CDF plot)."""
     load = replace(cfg.load, rate=rate)
     if cfg.reset_prefix_cache:
-        await reset_prefix_cache(session, cfg.base_url)
+        await reset_prefix_cache(session, cfg.base_url, cfg.admin_token)
 
     async def send(item: WorkItem, run_start: float) -> RequestResult:
         body = request_body(
