@@ -368,8 +368,9 @@ class LLMEngine:
         a decode batch behind it, greedy and sampled rows, so that the first request does
         not pay for first use (Triton on CUDA compiles each kernel variant then; the CPU
         warms its allocator and oneDNN's kernels). Leaves no trace: the cached blocks are
-        forgotten and the eviction count restored. Seconds taken. Call before the engine
-        thread starts."""
+        forgotten and every counter and measurement (evictions, KV event numbers, prefix
+        hit counts, preemptions, the prefill rate) is restored. Seconds taken. Call before
+        the engine thread starts."""
         started = time.perf_counter()
         vocab = self.model_config.vocab_size
         n = max(1, min(2 * self.config.block_size + 1, self.max_model_len - 4))
@@ -378,10 +379,16 @@ class LLMEngine:
         sampled = SamplingParams(
             temperature=0.8, top_k=8, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True
         )
-        evictions = self.allocator.evictions
+        a, sched = self.allocator, self.scheduler
+        kept = (a.evictions, a.event_no, sched.prefix_queries, sched.prefix_hits,
+                sched.num_preemptions, self.prefill_tokens_per_s)  # fmt: skip
         self.generate(prompts, [greedy, sampled])
-        self.allocator.reset_cache()
-        self.allocator.evictions = evictions
+        a.reset_cache()
+        # What the warm-up measured is not the node's: a cold first prefill is no prefill
+        # rate for a router to plan with (the proxy places prompts by it).
+        (a.evictions, a.event_no, sched.prefix_queries, sched.prefix_hits,
+         sched.num_preemptions, self.prefill_tokens_per_s) = kept  # fmt: skip
+        self._publish()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - started

@@ -161,9 +161,7 @@ def test_varlen_prefill_matches_each_chunk_alone(
     _close(got, want)
     for i, (start, n) in enumerate(chunks):  # the reference's loop, spelled out
         lo = int(cu[i])
-        alone = reference.paged_prefill_attention(
-            q[lo : lo + n], cache, 1, tables[i], start, scale
-        )
+        alone = reference.paged_prefill_attention(q[lo : lo + n], cache, 1, tables[i], start, scale)
         _close(got[lo : lo + n], alone)
 
 

@@ -13,6 +13,9 @@ def test_warm_up_leaves_the_engine_as_it_found_it(make_engine) -> None:
     assert seconds > 0
     a = engine.allocator
     assert a.num_free == a.num_blocks and a.num_cached == 0 and a.evictions == 0
+    assert a.event_no == 0 and engine.scheduler.prefix_queries == 0
+    assert engine.prefill_tokens_per_s is None  # a router would plan with it
+    assert engine.state()["prefill_tokens_per_s"] is None
     assert not engine.has_work()
     a.check_integrity()
     prompt = list(range(5, 45))
