@@ -219,6 +219,20 @@ def test_malformed_and_unknown_messages_rejected(trio) -> None:
     assert terminal(collect(trio.decode1, count_terminal(1), WAIT))[0]["kind"] == "KVReceived"
 
 
+def _asked_then_stopped(trio, victim, rid: str, config: dict) -> tuple[dict, dict]:
+    """A fresh sender (the victim) and receiver (decode1, with `config`); the receiver asks
+    for `rid` into blocks 1 and 2, and once the sender has the request it is SIGSTOPped
+    (the caller SIGCONTs it). Returns both start() results."""
+    spec = CacheSpec(num_blocks=8, layers=2, heads=2, dim=16, block_size=4)
+    p = victim.start(trio.backend, "prefill", spec.as_dict())
+    d = trio.decode1.start(trio.backend, "decode", spec.as_dict(), config=config)
+    assert trio.decode1.call("connect", address=p["address"]) == p["name"]
+    trio.decode1.call("request", peer=p["name"], rid=rid, dst=[1, 2])
+    collect(victim, lambda ev: len(messages(ev, "transfer_request")) >= 1, WAIT)
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    return p, d
+
+
 def test_blocks_of_a_silent_sender_stay_quarantined_until_it_answers(trio, victim) -> None:
     """Issue 13: a receiver freed its blocks as soon as it declared the sender lost, though
     a live (stalled, partitioned) sender's one-sided write could still land in them. Here the
@@ -226,13 +240,7 @@ def test_blocks_of_a_silent_sender_stay_quarantined_until_it_answers(trio, victi
     request fails at once (TransferLost) but its blocks stay held until the sender, back and
     asked again, says no write is in progress. zmq, ucxx: the receiver stops taking the
     peer's bytes when it drops it, so the transfer just fails."""
-    spec = CacheSpec(num_blocks=8, layers=2, heads=2, dim=16, block_size=4)
-    p = victim.start(trio.backend, "prefill", spec.as_dict())
-    d = trio.decode1.start(trio.backend, "decode", spec.as_dict(), config={"peer_timeout_s": 1.0})
-    assert trio.decode1.call("connect", address=p["address"]) == p["name"]
-    trio.decode1.call("request", peer=p["name"], rid="q", dst=[1, 2])
-    collect(victim, lambda ev: len(messages(ev, "transfer_request")) >= 1, WAIT)
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    p, d = _asked_then_stopped(trio, victim, "q", {"peer_timeout_s": 1.0})
     try:
         events = collect(trio.decode1, lambda ev: any(e["kind"] == "PeerLost" for e in ev), WAIT)
         if trio.backend != "nixl":
@@ -266,14 +274,7 @@ def test_a_receiver_redials_a_lost_sender_to_end_its_quarantine(trio, victim) ->
     (the decode node of a deployment whose later prompts are all prefilled locally)."""
     if trio.backend != "nixl":
         pytest.skip("only one-sided writes are quarantined")
-    spec = CacheSpec(num_blocks=8, layers=2, heads=2, dim=16, block_size=4)
-    p = victim.start(trio.backend, "prefill", spec.as_dict())
-    config = {"peer_timeout_s": 1.0, "heartbeat_interval_s": 0.2}
-    trio.decode1.start(trio.backend, "decode", spec.as_dict(), config=config)
-    assert trio.decode1.call("connect", address=p["address"]) == p["name"]
-    trio.decode1.call("request", peer=p["name"], rid="r", dst=[1, 2])
-    collect(victim, lambda ev: len(messages(ev, "transfer_request")) >= 1, WAIT)
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    _asked_then_stopped(trio, victim, "r", {"peer_timeout_s": 1.0, "heartbeat_interval_s": 0.2})
     try:
         events = collect(trio.decode1, lambda ev: any(e["kind"] == "PeerLost" for e in ev), WAIT)
         assert trio.decode1.call("quarantined") == 1, events
