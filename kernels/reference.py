@@ -54,16 +54,65 @@ def paged_decode_attention(
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks] (padding
     entries may hold any valid block id); context_lens: [num_seqs] (the query's own
     token included, already stored). Returns [num_seqs, num_heads, head_dim].
+
+    On CPU the batch is split into groups of similar context length (length_groups), so
+    that one long context does not make every short one gather and attend over its
+    length, and low-precision inputs are attended in float32: the CPU's SDPA runs
+    bfloat16 two to three times slower than float32 at decode shapes (measured on one
+    core: 8 sequences x 800 tokens, 10.5 ms bfloat16 against 4.2 ms upcast).
     """
+    if q.device.type != "cpu":
+        return _decode_attention(q, kv_cache, layer, block_tables, context_lens, scale, q.dtype)
+    groups = length_groups(context_lens.tolist(), kv_cache.shape[3])
+    if len(groups) == 1:
+        width = groups[0][1]
+        return _decode_attention(
+            q, kv_cache, layer, block_tables[:, :width], context_lens, scale, torch.float32
+        ).to(q.dtype)
+    out = torch.empty_like(q)
+    for rows, width in groups:
+        idx = torch.tensor(rows, device=q.device)
+        out[idx] = _decode_attention(
+            q[idx], kv_cache, layer, block_tables[idx, :width], context_lens[idx], scale,
+            torch.float32,
+        ).to(q.dtype)  # fmt: skip
+    return out
+
+
+def length_groups(context_lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+    """Rows of a decode batch grouped by context length, longest first, as (rows, blocks
+    each row of the group needs at most). A group ends where a row needs at most half its
+    longest row's blocks: a row then pays at most twice its own gather and attention,
+    and a batch forms at most log2(longest / shortest) + 1 groups."""
+    order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
+    groups: list[tuple[list[int], int]] = []
+    for i in order:
+        blocks = -(-context_lens[i] // block_size)
+        if groups and 2 * blocks > groups[-1][1]:
+            groups[-1][0].append(i)
+        else:
+            groups.append(([i], blocks))
+    return groups
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    compute: torch.dtype,
+) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     k, v = gather_kv(kv_cache, layer, block_tables)  # [B, T, kvh, hd]
     num_kv_heads = k.shape[2]
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
     # SDPA over strided [B, kvh, T, hd] views: no copy of K/V beyond the gather.
     out = F.scaled_dot_product_attention(
-        q.view(num_seqs, num_heads, 1, head_dim),
-        k.transpose(1, 2).to(q.dtype),
-        v.transpose(1, 2).to(q.dtype),
+        q.view(num_seqs, num_heads, 1, head_dim).to(compute),
+        k.transpose(1, 2).to(compute),
+        v.transpose(1, 2).to(compute),
         attn_mask=valid[:, None, None, :],
         scale=scale,
         enable_gqa=num_kv_heads != num_heads,
