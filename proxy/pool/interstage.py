@@ -1,11 +1,14 @@
 """The inter-stage queue: prefilled requests waiting for decode capacity (DESIGN.md §1.3).
 
 A FIFO, bounded by the edge: only requests that the pre-decode budget admitted get here
-(`proxy.pool.budget`), so a prefilled request always finds room. One dispatcher task offers
-the head entry to the decode nodes, most free capacity first (`POST /internal/decode`). When
-every node answers 503 "decode_full", the head stays at the head and the dispatcher waits for
-a capacity signal (`notify_capacity()`: a decode stream ended, a node came up) or a short
-backoff; nothing overtakes it. The waiter (`wait(entry)`) gets the accepted stream.
+(`proxy.pool.budget`), so a prefilled request always finds room. Dispatcher tasks offer
+entries in FIFO order to the decode nodes, most free capacity first (`POST /internal/decode`):
+the head alone, or several at once while the nodes' last reported capacity holds them all (a
+decode node answers an offer only at its engine's next step boundary, when it has reserved
+the blocks, so one at a time a burst of N entries waited N decode steps). When every node
+answers 503 "decode_full", the head stays at the head and waits for a capacity signal
+(`notify_capacity()`: a decode stream ended, a node came up) or a short backoff; nothing
+behind it is offered meanwhile. The waiter (`wait(entry)`) gets the accepted stream.
 
 While entries wait, a housekeeping task extends their prefill leases (one `LeaseExtend` per
 prefill node, each entry about every lease/3), fails entries whose lease is gone or whose wait
@@ -33,7 +36,7 @@ from common.wire.node_messages import DecodeRequest, LeaseExtend
 from proxy.http.backend import BackendError, NodeLost
 from proxy.metrics import InterStageMetrics
 from proxy.pool.client import DECODE_PATH, DecodeFull, NodeClient, NodeStream, NodeUnreachable
-from proxy.pool.node_state import Node
+from proxy.pool.node_state import Node, Role
 from proxy.pool.registry import NodeRegistry
 
 log = logging.getLogger(__name__)
@@ -98,12 +101,21 @@ class InterStageConfig:
     backoff_min_s: float = 0.01  # wait after an all-full round, doubled up to backoff_max_s
     backoff_max_s: float = 0.25
     retry_after_s: float = 1.0
+    # Offers in flight at most. Each waits for the decode node's engine to reserve blocks
+    # at its next step boundary, so offered one at a time a queue of N entries paid N
+    # decode steps before its last was taken; while the nodes' reported capacity holds
+    # them all, up to this many go out together (in FIFO order; when the pool is full,
+    # one at a time, and nothing overtakes a refused head).
+    max_offers: int = 8
+    block_size: int = 16  # for the room estimate, until nodes report theirs
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_s <= 3600:
             raise ValueError(f"lease_s must be in (0, 3600], got {self.lease_s}")
         if self.max_wait_s <= 0 or not 0 < self.backoff_min_s <= self.backoff_max_s:
             raise ValueError("max_wait_s and backoffs must be positive, min <= max")
+        if self.max_offers < 1 or self.block_size < 1:
+            raise ValueError("max_offers and block_size must be >= 1")
 
     @property
     def extend_every_s(self) -> float:
@@ -133,6 +145,8 @@ class InterStageQueue:
         self._work = asyncio.Event()
         self._capacity = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._refused: set[str] = set()  # entries every node refused, until a signal
+        self._offering_blocks = 0  # the blocks the offers in flight ask for
         registry.add_lost_listener(self._node_lost)
 
     # -- the waiters' side -------------------------------------------------------------------
@@ -193,9 +207,12 @@ class InterStageQueue:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._dispatch_forever(), name="interstage-dispatch"),
-            loop.create_task(self._housekeep_forever(), name="interstage-housekeeping"),
+            loop.create_task(self._dispatch_forever(), name=f"interstage-dispatch-{i}")
+            for i in range(self.config.max_offers)
         ]
+        self._tasks.append(
+            loop.create_task(self._housekeep_forever(), name="interstage-housekeeping")
+        )
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -210,29 +227,77 @@ class InterStageQueue:
     # -- dispatcher --------------------------------------------------------------------------
 
     async def _dispatch_forever(self) -> None:
+        """One of `config.max_offers` dispatchers: claim the first entry that may be offered
+        now, offer it, and after a round in which every node was full keep it at the head
+        (nothing behind it is claimed) until a capacity signal or the backoff."""
         backoff = self.config.backoff_min_s
         while True:
-            entry = await self._head()
+            entry = await self._claim()
             self._capacity.clear()  # a signal from now on means a new chance
-            entry.transition(EntryState.OFFERING)
+            self._offering_blocks += self._blocks_of(entry)
             try:
                 await self._offer(entry)
             except Exception:  # a bug: fail this entry, keep serving the others
                 log.exception("%s: dispatch failed", entry.request_id)
                 self._fail(entry, BackendError.failed("dispatch to decode failed"), "failed")
+            finally:
+                self._offering_blocks -= self._blocks_of(entry)
+                self._work.set()  # an offer ended: another may start
             if entry.state is not EntryState.OFFERING:
                 backoff = self.config.backoff_min_s
                 continue
             entry.transition(EntryState.QUEUED)  # every node is full: wait, keep the head
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._capacity.wait(), backoff)
+            self._refused.add(entry.request_id)
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._capacity.wait(), backoff)
+            finally:
+                self._refused.discard(entry.request_id)
+                self._work.set()
             backoff = min(2 * backoff, self.config.backoff_max_s)
 
-    async def _head(self) -> QueueEntry:
-        while not self._entries:
+    async def _claim(self) -> QueueEntry:
+        """The first QUEUED entry in FIFO order (now OFFERING), once it may be offered: alone,
+        or beside the offers in flight when the decode pool as last seen has room for them
+        all. Never one behind an entry that every node refused since the last signal."""
+        while True:
+            entry = self._claimable()
+            if entry is not None:
+                entry.transition(EntryState.OFFERING)
+                return entry
             self._work.clear()
             await self._work.wait()
-        return next(iter(self._entries.values()))
+
+    def _claimable(self) -> QueueEntry | None:
+        offering = 0
+        first: QueueEntry | None = None
+        for entry in self._entries.values():
+            if entry.state is EntryState.OFFERING:
+                offering += 1
+            elif first is None:
+                if entry.request_id in self._refused:
+                    return None  # waits at the head; nothing overtakes it
+                first = entry
+        if first is None or offering >= self.config.max_offers:
+            return None
+        if offering == 0 or self._room_beside_offers(offering, self._blocks_of(first)):
+            return first
+        return None
+
+    def _room_beside_offers(self, offering: int, blocks: int) -> bool:
+        """Whether the decode nodes' last reported capacity holds `offering` more requests
+        and one of `blocks` more blocks. A node that has not reported counts as none: then
+        offers go one at a time."""
+        slots = free = 0
+        for node in self.registry.routable(Role.DECODE):
+            spare = node.decode_spare()
+            if spare is not None:
+                slots, free = slots + max(spare[0], 0), free + max(spare[1], 0)
+        return slots > offering and free >= blocks + self._offering_blocks
+
+    def _blocks_of(self, entry: QueueEntry) -> int:
+        # The decode node reserves the prompt's blocks plus room for the first outputs.
+        return -(-len(entry.request.prompt_token_ids) // self.config.block_size) + 1
 
     async def _offer(self, entry: QueueEntry) -> None:
         """Offer `entry` to each decode node in turn until one accepts it (DISPATCHED), it
@@ -381,6 +446,7 @@ class InterStageQueue:
         if self._entries.pop(entry.request_id, None) is entry:
             self.metrics.exits.labels(outcome).inc()
             self._update_depth()
+            self._work.set()  # what waited behind it may go now
 
     def _update_depth(self) -> None:
         self.metrics.depth.set(len(self._entries))

@@ -183,6 +183,16 @@ class Node:
         slots = cap.max_num_seqs - cap.running - cap.reserved - self.sent_requests
         return slots > 0, free
 
+    def decode_spare(self) -> tuple[int, int, int] | None:
+        """(free sequence slots, free blocks, block size) as last seen less what was sent
+        since; None while the node has not reported its capacity."""
+        cap = self.state.capacity if self.state is not None else None
+        if cap is None or cap.max_num_seqs <= 0 or cap.block_size <= 0:
+            return None
+        _, free = self.decode_room()
+        slots = cap.max_num_seqs - cap.running - cap.reserved - self.sent_requests
+        return slots, free, cap.block_size
+
     def describe(self) -> dict[str, Any]:
         """The node's row in `GET /admin/nodes`."""
         state = self.state

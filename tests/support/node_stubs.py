@@ -92,6 +92,8 @@ class StubNode:
         # records
         self.calls: list[tuple[str, Any]] = []
         self.accepted: list[str] = []  # decode/generate requests streamed, in order
+        self.offers_open = 0  # decode requests being answered now
+        self.offers_open_max = 0
         self.cancels: list[str] = []
         self.extends: list[list[str]] = []
         self.disconnected: list[str] = []  # handlers the proxy dropped before they finished
@@ -243,7 +245,12 @@ class StubNode:
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
         msg = await self._read(request, DecodeRequest)
-        await asyncio.sleep(self.accept_delay)
+        self.offers_open += 1
+        self.offers_open_max = max(self.offers_open_max, self.offers_open)
+        try:
+            await asyncio.sleep(self.accept_delay)
+        finally:
+            self.offers_open -= 1
         full = self.max_streams is not None and len(self.active) >= self.max_streams
         if self.decode_full_times > 0 or full:
             self.decode_full_times = max(0, self.decode_full_times - 1)

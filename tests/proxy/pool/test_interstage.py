@@ -9,6 +9,7 @@ import pytest
 
 from proxy.http.backend import BackendError
 from proxy.pool.interstage import QueueEntry
+from proxy.pool.node_state import Role
 from tests.support.node_stubs import (
     Stack,
     StubNode,
@@ -38,7 +39,8 @@ async def _read_all(stack: Stack, entry: QueueEntry) -> list[int]:
 def test_fifo_order_is_kept_while_the_decode_pool_is_full() -> None:
     async def body() -> None:
         prefill, decode = StubNode("prefill"), StubNode("decode")
-        decode.max_streams, decode.hold_streams = 1, True
+        # It reports one slot, so the queue offers one request at a time.
+        decode.max_streams, decode.max_num_seqs, decode.hold_streams = 1, 1, True
         async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
             names = ["a", "b", "c", "d"]
             entries = [stack.queue.submit(decode_request(n), prefill.url) for n in names]
@@ -61,6 +63,36 @@ def test_fifo_order_is_kept_while_the_decode_pool_is_full() -> None:
             assert stack.metric("pdserve_interstage_exits_total", outcome="dispatched") == 4
             assert stack.metric("pdserve_interstage_decode_full_total") >= 3
             assert prefill.cancels == []
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "max_offers", "together"), [(8, 8, 4), (2, 8, 2), (8, 1, 1), (0, 8, 1)]
+)
+def test_offers_go_out_together_while_the_reported_capacity_holds_them(
+    max_num_seqs: int, max_offers: int, together: int
+) -> None:
+    """A decode node answers an offer when its engine has reserved the blocks (a step
+    boundary): four queued requests are offered at once when its last /state has room for
+    them, as many as it has slots, one at a time with max_offers=1 or no capacity reported
+    (max_num_seqs 0)."""
+
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        decode.accept_delay, decode.max_num_seqs = 0.3, max_num_seqs
+        async with (
+            stubs(prefill, decode),
+            proxy_stack((prefill,), (decode,), max_offers=max_offers) as stack,
+        ):
+            await eventually(lambda: stack.registry.healthy(Role.DECODE) != [], what="up")
+            names = ["a", "b", "c", "d"]
+            entries = [stack.queue.submit(decode_request(n), prefill.url) for n in names]
+            got = await asyncio.gather(*(_read_all(stack, e) for e in entries))
+            assert got == [[8, 9, 10]] * 4
+            assert sorted(decode.accepted) == names
+            assert decode.offers_open_max == together
+            assert stack.queue.depth == 0 and prefill.cancels == []
 
     run(body())
 
