@@ -24,7 +24,10 @@ the fixed-rate run) at most `--goal-itl-ratio` (0.5) times that colocated run's.
 "better" are by goodput, a tie going to the lower ITL p99. The report states both ratios
 with their numbers, each met, not met or not judged, and the goal met, not met, or not
 judged (no goodput search, no run of one kind, or a goodput that is only a lower bound, its
-search never having failed a run, where that leaves the ratio undecided).
+search never having failed a run, where that leaves the ratio undecided). Beside them, not
+judged, the ITL p99 ratio under load: at the colocated run's goodput rate (its busiest
+passing search run) against the disaggregated run's search run at that rate or the next
+above it, since the light fixed-rate run rarely has a prefill stall to show.
 
     python scripts/compare_report.py --run colocated:colocated-1x2=out/compare/colocated-1x2 \\
         --run disagg:1p1d-auto=out/compare/1p1d-auto --out out/compare/report.md \\
@@ -324,11 +327,43 @@ def render_goal(runs: list[Run], goal: Goal) -> list[str]:
         g_line,
         f"- decode ITL p99: {d.label} {_ms(d.itl_p99)} / {c.label} {_ms(c.itl_p99)} = "
         f"{i_text} (<= {goal.itl_ratio:g}x: {i_met})",
+        *_itl_under_load(d, c),
         "",
         f"**Goal {overall}** ({d.label} against {c.label}).",
         "",
     ]
     return lines
+
+
+def _search_run_at(run: Run, rate: float, at_least: bool) -> dict[str, Any] | None:
+    """The run's search run at `rate`, else (at_least) the lowest rate above it it ran."""
+    assert run.search is not None
+    runs = sorted(run.search.get("runs", []), key=lambda r: float(r["config"]["rate"]))
+    for r in runs:
+        ran = float(r["config"]["rate"])
+        if _close(ran, rate) or (at_least and ran > rate):
+            return r
+    return None
+
+
+def _itl_under_load(d: Run, c: Run) -> list[str]:
+    """Not judged: the same ratio at the colocated deployment's goodput rate (its busiest
+    passing run), against the disaggregated one's run at that rate or the next above it
+    (at least as loaded). The fixed-rate run is light; prefill stalls show under load."""
+    rate = c.search["highest_passing_rate"] if c.search is not None else None
+    if rate is None:
+        return []
+    c_run, d_run = _search_run_at(c, rate, False), _search_run_at(d, rate, True)
+    if c_run is None or d_run is None:
+        return []
+    c_itl, d_itl = c_run["itl_ms"]["p99"], d_run["itl_ms"]["p99"]
+    text, _ = _check(d_itl, c_itl, 1.0, at_least=False)
+    d_rate = float(d_run["config"]["rate"])
+    return [
+        f"- not judged, under load: decode ITL p99 at {c.label}'s goodput rate ({rate:g} "
+        f"req/s): {d.label} {_ms(d_itl)} (at {d_rate:g} req/s) / {c.label} {_ms(c_itl)} = "
+        f"{text}"
+    ]
 
 
 def _curve_text(search: dict[str, Any]) -> str:
