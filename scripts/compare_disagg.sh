@@ -70,6 +70,9 @@
 #                             COMPARE_NUM_REQUESTS; more than that reuse the dataset's lines)
 #   COMPARE_SEARCH_MAX_RUNS   --goodput: runs per search at most (default 6; --quick 3)
 #   COMPARE_SEARCH_MAX_RATE   --goodput: the search doubles no higher (default 16 x start)
+#   COMPARE_SEARCH_MIN_RATE   --goodput: the search halves no lower (default start / 4: a
+#                             run of 30 requests at 0.05 req/s already takes 10 minutes;
+#                             failing there reports goodput 0, below that rate)
 #   COMPARE_SEARCH_TOLERANCE  --goodput: bisect until failing/passing rate - 1 <= this (0.15)
 #   COMPARE_GOODPUT_ATTAINMENT --goodput: share of requests that must meet both (default 0.9)
 #   COMPARE_MAX_CONCURRENCY   cap on requests in flight (default 32)
@@ -134,6 +137,7 @@ search_num="${COMPARE_SEARCH_NUM_REQUESTS:-$num}"
 if (( quick )); then search_runs_default=3; else search_runs_default=6; fi
 search_runs="${COMPARE_SEARCH_MAX_RUNS:-$search_runs_default}"
 search_max_rate="${COMPARE_SEARCH_MAX_RATE:-$(awk -v r="$search_start" 'BEGIN{print r * 16}')}"
+search_min_rate="${COMPARE_SEARCH_MIN_RATE:-$(awk -v r="$search_start" 'BEGIN{print r / 4}')}"
 search_tolerance="${COMPARE_SEARCH_TOLERANCE:-0.15}"
 attainment="${COMPARE_GOODPUT_ATTAINMENT:-0.9}"
 seed="${COMPARE_SEED:-0}"
@@ -262,7 +266,8 @@ search() {  # search NAME: the goodput search into $out/NAME/goodput/
     say "$name: goodput search from $search_start req/s, at most $search_runs runs of $search_num requests"
     "$py" -m common.cli bench-serve "${common[@]}" --num-requests "$search_num" \
         --goodput-search --rate "$search_start" --max-search-runs "$search_runs" \
-        --search-max-rate "$search_max_rate" --search-tolerance "$search_tolerance" \
+        --search-max-rate "$search_max_rate" --search-min-rate "$search_min_rate" \
+        --search-tolerance "$search_tolerance" \
         --goodput-attainment "$attainment" --slo-ttft-ms "$slo_ttft" --slo-tpot-ms "$slo_tpot" \
         --json "$dir/search.json" --plot-dir "$dir" | tee "$dir/search.txt"
 }
@@ -294,7 +299,7 @@ context=(
     "${loadavg[@]}"
 )
 if (( goodput )); then
-    context+=("goodput search: $search_num requests a run, from $search_start req/s, at most $search_runs runs, max rate $search_max_rate req/s, tolerance $search_tolerance, after the fixed-rate run")
+    context+=("goodput search: $search_num requests a run, from $search_start req/s, at most $search_runs runs, rates $search_min_rate-$search_max_rate req/s, tolerance $search_tolerance, after the fixed-rate run")
 fi
 if (( quick )); then context=("**quick smoke run: too few requests for stable p99s**" "${context[@]}"); fi
 ctx_args=()
