@@ -146,7 +146,6 @@ class InterStageQueue:
         self._capacity = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._refused: set[str] = set()  # entries every node refused, until a signal
-        self._offering_blocks = 0  # the blocks the offers in flight ask for
         registry.add_lost_listener(self._node_lost)
 
     # -- the waiters' side -------------------------------------------------------------------
@@ -234,14 +233,12 @@ class InterStageQueue:
         while True:
             entry = await self._claim()
             self._capacity.clear()  # a signal from now on means a new chance
-            self._offering_blocks += self._blocks_of(entry)
             try:
                 await self._offer(entry)
             except Exception:  # a bug: fail this entry, keep serving the others
                 log.exception("%s: dispatch failed", entry.request_id)
                 self._fail(entry, BackendError.failed("dispatch to decode failed"), "failed")
             finally:
-                self._offering_blocks -= self._blocks_of(entry)
                 self._work.set()  # an offer ended: another may start
             if entry.state is not EntryState.OFFERING:
                 backoff = self.config.backoff_min_s
@@ -269,31 +266,33 @@ class InterStageQueue:
             await self._work.wait()
 
     def _claimable(self) -> QueueEntry | None:
-        offering = 0
+        offering = offering_blocks = 0
         first: QueueEntry | None = None
         for entry in self._entries.values():
             if entry.state is EntryState.OFFERING:
                 offering += 1
+                offering_blocks += self._blocks_of(entry)
             elif first is None:
                 if entry.request_id in self._refused:
                     return None  # waits at the head; nothing overtakes it
                 first = entry
         if first is None or offering >= self.config.max_offers:
             return None
-        if offering == 0 or self._room_beside_offers(offering, self._blocks_of(first)):
+        blocks = offering_blocks + self._blocks_of(first)
+        if offering == 0 or self._room_beside_offers(offering, blocks):
             return first
         return None
 
     def _room_beside_offers(self, offering: int, blocks: int) -> bool:
-        """Whether the decode nodes' last reported capacity holds `offering` more requests
-        and one of `blocks` more blocks. A node that has not reported counts as none: then
-        offers go one at a time."""
+        """Whether the decode nodes' last reported capacity holds one more request beside
+        the `offering` in flight, and `blocks` blocks for them all. A node that has not
+        reported counts as none: then offers go one at a time."""
         slots = free = 0
         for node in self.registry.routable(Role.DECODE):
             spare = node.decode_spare()
             if spare is not None:
                 slots, free = slots + max(spare[0], 0), free + max(spare[1], 0)
-        return slots > offering and free >= blocks + self._offering_blocks
+        return slots > offering and free >= blocks
 
     def _blocks_of(self, entry: QueueEntry) -> int:
         # The decode node reserves the prompt's blocks plus room for the first outputs.
