@@ -123,7 +123,9 @@ class LLMEngine:
         )
         self.kernels = kernels_for(self.device, config.kernel_backend)
         log.info("kernels: %s on %s", self.kernels.name, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.kernels)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, config.block_size, self.kernels, mc.eos_token_ids
+        )
         if config.cuda_graphs:
             if self.device.type != "cuda" or self.kernels.name != "triton":
                 raise ValueError(

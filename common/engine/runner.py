@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.cuda_graphs import DecodeGraphs
+from common.engine.logits_processors import apply_processors
 from common.engine.sampling import sample
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
@@ -27,9 +28,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, kernels: Kernels
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        kernels: Kernels,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids  # masked by min_tokens
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.kernels = kernels
@@ -98,13 +105,16 @@ class ModelRunner:
             return []
         return self._sample(self.model.compute_logits(hidden[x.sample_rows]), x)
 
+    @torch.inference_mode()  # (the logits are inference tensors, processed in place)
     def _sample(self, logits: torch.Tensor, x: StepInputs) -> list[int]:
         started = time.perf_counter()
-        tokens = sample(
-            logits,
-            [s.sampling for s in x.sample_seqs],
-            [s.num_output_tokens for s in x.sample_seqs],
-        )
+        seqs = x.sample_seqs
+        params = [s.sampling for s in seqs]
+        if any(p.processed for p in params):
+            histories = [s.token_ids for s in seqs]
+            prompts = [s.num_prompt_tokens for s in seqs]
+            logits = apply_processors(logits, params, histories, prompts, self.eos_token_ids)
+        tokens = sample(logits, params, [s.num_output_tokens for s in seqs])
         self.last_sample_s = time.perf_counter() - started
         return tokens
 

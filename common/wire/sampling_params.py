@@ -15,6 +15,14 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(default=16, ge=1)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logit processors, applied before temperature (common.engine.logits_processors): the
+    # OpenAI penalties over the output so far, vLLM's repetition penalty over prompt and
+    # output, EOS and stop ids masked until min_tokens, and per-token additive biases.
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    min_tokens: int = Field(default=0, ge=0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     # The output index of this request's first sampled token: nonzero when a request is
     # continued elsewhere (re-prefilled after a node failure), so seeded noise continues.
     output_index_base: int = Field(default=0, ge=0, lt=2**31)
@@ -23,8 +31,26 @@ class SamplingParams(BaseModel):
     def _check(self) -> SamplingParams:
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty applies (the processors look at this row's history)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logit processor applies to this request's rows."""
+        return self.penalized or self.min_tokens > 0 or bool(self.logit_bias)

@@ -42,7 +42,9 @@ class Generation:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.update(tokenizer.eos_token_ids)
-        self.text = TextStream(tokenizer, prep.generation.prompt_token_ids, prep.stop, stop_ids)
+        self.text = TextStream(
+            tokenizer, prep.generation.prompt_token_ids, prep.stop, stop_ids, sampling.min_tokens
+        )
         self._tokens: TokenStream = backend.generate(prep.generation)
         self.arrived = 0.0  # when the last backend chunk arrived (time.monotonic())
 

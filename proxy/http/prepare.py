@@ -119,7 +119,14 @@ class RequestPreparer:
         if not ids:
             raise invalid_request(f"the {prompt_param} is empty", param=prompt_param)
         self._check_ids(req.stop_token_ids, "stop_token_ids")
+        bias = req.logit_bias_pairs
+        self._check_ids([t for t, _ in bias], "logit_bias")
         max_tokens = self._max_tokens(req.requested_max_tokens, len(ids), prompt_param)
+        if req.min_tokens > max_tokens:
+            raise invalid_request(
+                f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
+                param="min_tokens",
+            )
         try:
             sampling = SamplingParams(
                 temperature=req.temperature,
@@ -129,6 +136,11 @@ class RequestPreparer:
                 max_tokens=max_tokens,
                 stop_token_ids=tuple(req.stop_token_ids),
                 ignore_eos=req.ignore_eos,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                min_tokens=req.min_tokens,
+                logit_bias=bias,
             )
         except ValidationError as e:  # our bounds are tighter; this is a safety net
             raise invalid_request(f"invalid sampling parameters: {e.errors()[0]['msg']}") from e

@@ -2,9 +2,10 @@
 
 Requests are validated strictly from the JSON text (no "1" -> 1 coercion, no NaN/Infinity);
 unknown fields are ignored, as OpenAI-compatible servers do. Fields we know but cannot serve
-(n > 1, logprobs, echo, penalties, ...) are refused with a 400 naming the field, never
+(n > 1, logprobs, echo, tools, ...) are refused with a 400 naming the field, never
 silently ignored. Checks that need the tokenizer or the context length live in `prepare.py`.
-`top_k`, `seed` (also OpenAI), `stop_token_ids` and `ignore_eos` are vLLM-style extensions.
+`top_k`, `repetition_penalty`, `min_tokens`, `stop_token_ids` and `ignore_eos` are
+vLLM-style extensions.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ class GenerationParams(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)  # vLLM's extension
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's extension
+    # OpenAI: token id (as a JSON object key) -> bias in [-100, 100], added to its logit.
     logit_bias: dict[str, float] | None = None
 
     @field_validator("n")
@@ -64,18 +68,14 @@ class GenerationParams(_Request):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported; only 0 is accepted")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for {key}")
         return v
 
     @field_validator("stop")
@@ -117,6 +117,10 @@ class GenerationParams(_Request):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
 
 
 class CompletionRequest(GenerationParams):

@@ -10,7 +10,9 @@ reaches the client:
 
 On a match the text is cut before the earliest occurrence and the stream finishes with
 "stop"; the caller then closes the backend stream, which cancels the generation. If the
-stream ends without a match, the held text is flushed.
+stream ends without a match, the held text is flushed. While the request has fewer than
+`min_tokens` tokens (counted per chunk), stop strings are not looked for (as in vLLM: the
+engine masks EOS and stop ids until then too).
 """
 
 from __future__ import annotations
@@ -84,8 +86,10 @@ class TextStream:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         stop_token_ids: Iterable[int] = (),
+        min_tokens: int = 0,
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_token_ids)
+        self._min_tokens = min_tokens
         self._stops = StopMatcher(stop)
         self._stop_ids = frozenset(stop_token_ids)
         self.completion_tokens = 0
@@ -109,7 +113,10 @@ class TextStream:
         text = self._detok.push(visible)
         if chunk.finish_reason is not None:
             text += self._detok.flush()
-        text, matched = self._stops.push(text)
+        if self.completion_tokens < self._min_tokens:
+            matched = False
+        else:
+            text, matched = self._stops.push(text)
         if matched:
             return self._finish(text, "stop")
         if chunk.finish_reason is not None:

@@ -94,6 +94,49 @@ def test_openai_client_streams_chat_and_completion_equal_to_offline(
     cluster.wait_baseline()
 
 
+def test_sampling_controls_match_offline_streamed_and_not(
+    cluster: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
+) -> None:
+    """Issue 19: penalties, logit_bias, min_tokens and seed through the openai client, on
+    both endpoints, streamed and not: the offline engine's tokens with the same parameters
+    (the first token is sampled on the prefill node, the rest on the decode node)."""
+    client = _client(cluster)
+    model = _model(client)
+    eos = tokenizer.eos_token_ids[0]
+    extra = {"repetition_penalty": 1.3, "min_tokens": 12}
+    sp = SamplingParams(
+        temperature=0.8, seed=11, max_tokens=16, presence_penalty=0.5, frequency_penalty=0.7,
+        logit_bias=((eos, 5.0), (tokenizer.encode(" the")[0], -100.0)), **extra,
+    )  # fmt: skip
+    common = {
+        "model": model, "max_tokens": 16, "temperature": 0.8, "seed": 11,
+        "presence_penalty": 0.5, "frequency_penalty": 0.7, "extra_body": extra,
+        "logit_bias": {str(t): b for t, b in sp.logit_bias},
+    }  # fmt: skip
+    messages = [{"role": "user", "content": "Tell me about the quick brown fox."}]
+    prompt = "Once upon a time the"
+    want_chat = tokenizer.decode(offline_token_ids(tokenizer.encode_chat(messages), sp))
+    want_text = tokenizer.decode(offline_token_ids(tokenizer.encode(prompt), sp))
+    plain = SamplingParams(temperature=0.8, seed=11, max_tokens=16)
+    assert want_text != tokenizer.decode(offline_token_ids(tokenizer.encode(prompt), plain))
+    for stream in (False, True):
+        chat = client.chat.completions.create(messages=messages, stream=stream, **common)
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+            if stream
+            else chat.choices[0].message.content
+        )
+        assert text == want_chat, stream
+        done = client.completions.create(prompt=prompt, stream=stream, **common)
+        text = (
+            "".join(c.choices[0].text for c in done if c.choices)
+            if stream
+            else done.choices[0].text
+        )
+        assert text == want_text, stream
+    cluster.wait_baseline()
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(
     cluster: Cluster, tokenizer: Tokenizer
 ) -> None:

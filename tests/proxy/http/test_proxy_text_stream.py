@@ -126,3 +126,18 @@ def test_chunk_after_finish_is_refused(tiny_tokenizer: Tokenizer) -> None:
     stream.push(TokenChunk([6], "length"))
     with pytest.raises(RuntimeError):
         stream.push(TokenChunk([7]))
+
+
+def test_stop_strings_wait_for_min_tokens(tiny_tokenizer: Tokenizer) -> None:
+    """Until min_tokens tokens were generated a stop string does not end the stream (vLLM's
+    rule: the token that reaches min_tokens is the first one checked)."""
+    tok = tiny_tokenizer
+    ids = tok.encode("xy ab ab ab", add_special_tokens=False)
+    assert [tok.decode([t]) for t in ids] == ["xy", " ab", " ab", " ab"]
+    chunks = [TokenChunk([t]) for t in ids]
+    plain = TextStream(tok, [5], ["ab"])
+    assert [plain.push(c).finish_reason for c in chunks[:2]] == [None, "stop"]
+    stream = TextStream(tok, [5], ["ab"], min_tokens=3)
+    deltas = [stream.push(c) for c in chunks[:3]]
+    assert [d.finish_reason for d in deltas] == [None, None, "stop"]
+    assert "".join(d.text for d in deltas) == "xy ab "
