@@ -1,7 +1,11 @@
 """OpenAI-compatible request and response models (`/v1/completions`, `/v1/chat/completions`).
 
-Requests are validated strictly from the JSON text (no "1" -> 1 coercion, no NaN/Infinity);
-unknown fields are ignored, as OpenAI-compatible servers do. Fields we know but cannot serve
+Requests are validated strictly from the JSON text (no "1" -> 1 coercion, no NaN/Infinity).
+No field is ever silently ignored: an unknown one is a 400 naming it ("Unrecognized request
+argument supplied", OpenAI's words), and the only fields accepted without effect are those
+OpenAI itself documents as advisory (ADVISORY_FIELDS: `user`, `metadata`, `store`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls` without tools,
+`stream_options.include_obfuscation`). Fields we know but cannot serve
 (n > 1, logprobs, echo, tools, ...) are refused with a 400 naming the field, never
 silently ignored. Checks that need the tokenizer or the context length live in `prepare.py`.
 `top_k`, `repetition_penalty`, `min_tokens`, `stop_token_ids` and `ignore_eos` are
@@ -30,12 +34,26 @@ _UNION_TAG_CHARS = frozenset("[]()-")
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
+# Accepted and without effect here, as OpenAI documents them (the README lists them too).
+ADVISORY_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "parallel_tool_calls",
+    "include_obfuscation",
+)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", frozen=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", frozen=True)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool = True  # advisory: no obfuscation padding is sent
 
 
 class GenerationParams(_Request):
@@ -52,7 +70,13 @@ class GenerationParams(_Request):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Advisory (ADVISORY_FIELDS): accepted, typed, and without effect.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     n: int = 1
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -208,6 +232,27 @@ class ChatCompletionRequest(GenerationParams):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # advisory while tools are refused
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if v not in (None, "none"):
+            raise ValueError("tools are not supported; tool_choice may only be 'none'")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v != {"type": "text"}:
+            kind = v.get("type")
+            raise ValueError(
+                f"response_format {kind!r} is not supported (only 'text'): the output would "
+                "not be constrained to it"
+            )
+        return v
 
     @field_validator("logprobs")
     @classmethod
@@ -252,6 +297,8 @@ def _to_api_error(e: ValidationError) -> ApiError:
     if first["type"] == "json_invalid":
         return invalid_request(f"the body is not valid JSON: {first['msg']}", code="invalid_json")
     path = _param_path(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return invalid_request(f"Unrecognized request argument supplied: {path}", param=path)
     msg = str(first["msg"]).removeprefix("Value error, ")
     if not path:
         return invalid_request(f"invalid request body: {msg}")

@@ -103,6 +103,11 @@ BAD_CHAT: list[tuple[dict[str, Any], str]] = [
     ({"logprobs": True}, "logprobs"),
     ({"n": 3}, "n"),
     ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
 ]
 
 
@@ -111,6 +116,40 @@ def test_bad_chat_fields(proxy: ProxyHarness, fields: dict[str, Any], param: str
     resp = post(proxy, CHAT, {**OK_CHAT, **fields})
     assert_error(resp, 400)
     assert resp[2]["error"]["param"].startswith(param)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"best_of_n": 2}, "best_of_n"),
+        ({"guided_json": {}}, "guided_json"),
+        ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    ],
+)
+def test_unknown_fields_are_refused_by_name(
+    proxy: ProxyHarness, path: str, fields: dict[str, Any], param: str
+) -> None:
+    """Never silently ignored: an unknown field is a 400 that names it."""
+    body = {**(OK_CHAT if path == CHAT else OK_COMPLETION), **fields}
+    message = assert_error(post(proxy, path, body), 400, param)
+    assert message == f"Unrecognized request argument supplied: {param}"
+
+
+def test_advisory_fields_are_accepted(proxy: ProxyHarness) -> None:
+    """The short documented list of fields OpenAI itself treats as advisory."""
+    advisory = {
+        "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+        "prompt_cache_key": "k", "safety_identifier": "s",
+    }  # fmt: skip
+    status, _, body = post(proxy, COMPLETIONS, {**OK_COMPLETION, **advisory})
+    assert status == 200, body
+    chat = {**OK_CHAT, **advisory, "parallel_tool_calls": True, "tool_choice": "none"}
+    chat |= {"response_format": {"type": "text"}, "stream": True}
+    chat["stream_options"] = {"include_usage": True, "include_obfuscation": False}
+    status, _, body = post(proxy, CHAT, chat)
+    assert status == 200, body
+    proxy.wait_idle()
 
 
 def test_missing_required_field(proxy: ProxyHarness) -> None:
