@@ -148,6 +148,7 @@ class PrefillNode(TransferNode):
 
     def _result(self, msg: PrefillRequest, out: StepOutput) -> PrefillResult:
         (token,) = out.new_token_ids
+        first_logprobs = out.logprobs[0] if out.logprobs else None
         entry = self._entry(msg.request_id)
         if entry is None or out.kind is not OutputKind.HELD:  # finished at its first token
             reason = out.finish_reason.wire_name if out.finish_reason is not None else None
@@ -157,6 +158,7 @@ class PrefillNode(TransferNode):
                 finish_reason=reason,
                 kv=None,
                 num_cached_tokens=out.num_cached_tokens or 0,
+                first_logprobs=first_logprobs,
             )
         return PrefillResult(
             request_id=msg.request_id,
@@ -164,6 +166,7 @@ class PrefillNode(TransferNode):
             finish_reason=None,
             kv=self._handle(entry),
             num_cached_tokens=out.num_cached_tokens or 0,
+            first_logprobs=first_logprobs,
         )
 
     def _handle(self, entry: HeldKV) -> KVHandle:

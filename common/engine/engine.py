@@ -38,6 +38,7 @@ from common.engine.scheduler import OutputKind, ScheduledBatch, Scheduler, StepO
 from common.engine.sequence import FinishReason, SeqStatus, Sequence
 from common.model.config import ModelConfig
 from common.model.weights import load_model
+from common.wire.logprobs import TokenLogprobs
 from common.wire.sampling_params import SamplingParams
 from common.wire.stage import Stage
 from kernels.dispatch import kernels_for
@@ -85,6 +86,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]  # the generated tokens, a stop token included as the engine emits it
     finish_reason: FinishReason
+    logprobs: list[TokenLogprobs] | None = None  # one per token, if the request asked
 
 
 class LLMEngine:
@@ -348,6 +350,7 @@ class LLMEngine:
         for rid, prompt, sp in zip(ids, prompts, params, strict=True):
             self.add_request(rid, list(prompt), sp)
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
         reasons: dict[str, FinishReason] = {}
         for _ in range(max_steps):
             if len(reasons) == len(ids):
@@ -356,12 +359,13 @@ class LLMEngine:
                 if on_output is not None:
                     on_output(out)
                 tokens[out.request_id] += out.new_token_ids
+                logprobs[out.request_id] += out.logprobs or []
                 if out.finished and out.finish_reason is not None:
                     reasons[out.request_id] = out.finish_reason
         else:
             raise RuntimeError(f"generate: not finished after {max_steps} steps")
         return [
-            Completion(rid, list(p), tokens[rid], reasons[rid])
+            Completion(rid, list(p), tokens[rid], reasons[rid], logprobs[rid] or None)
             for rid, p in zip(ids, prompts, strict=True)
         ]
 
@@ -412,7 +416,7 @@ class LLMEngine:
             seconds = t3 - t2
             self._step_times.append(seconds)
             self._measure(batch.num_tokens - batch.num_decode, seconds)
-            outputs += self.scheduler.postprocess(batch, sampled)
+            outputs += self.scheduler.postprocess(batch, sampled.tokens, sampled.logprobs)
             outputs += self._pin_computed(batch)
         for out in outputs:
             if out.kind is OutputKind.HELD:

@@ -9,11 +9,12 @@ import torch
 
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.logits_processors import apply_processors
-from common.engine.sampling import sample
+from common.engine.sampling import sample, token_logprobs
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
 from common.model.attention import AttentionMetadata, PrefillBatch, PrefillSlice
 from common.model.decoder import LlamaForCausalLM
+from common.wire.logprobs import TokenLogprobs
 from kernels.dispatch import Kernels
 
 
@@ -24,6 +25,14 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: list[int]  # flat rows whose logits are sampled
     sample_seqs: list[Sequence]  # the sequence of each sampled row
+
+
+@dataclass
+class StepSample:
+    """A step's sampled tokens, one per sampling entry, and their logprobs where asked."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 class ModelRunner:
@@ -80,7 +89,7 @@ class ModelRunner:
         )
         return StepInputs(self._tensor(ids), self._tensor(positions), meta, rows, sample_seqs)
 
-    def run(self, batch: ScheduledBatch) -> list[int]:
+    def run(self, batch: ScheduledBatch) -> StepSample:
         """One forward over the batch; returns the sampled token of each sampling entry."""
         x = self.prepare(batch)
         graphs = self.graphs
@@ -102,11 +111,11 @@ class ModelRunner:
                 # this step wrote may be shipped (streamed groups) as soon as it returns, by a
                 # DMA that does not follow this stream.
                 torch.cuda.synchronize(self.device)
-            return []
+            return StepSample([])
         return self._sample(self.model.compute_logits(hidden[x.sample_rows]), x)
 
     @torch.inference_mode()  # (the logits are inference tensors, processed in place)
-    def _sample(self, logits: torch.Tensor, x: StepInputs) -> list[int]:
+    def _sample(self, logits: torch.Tensor, x: StepInputs) -> StepSample:
         started = time.perf_counter()
         seqs = x.sample_seqs
         params = [s.sampling for s in seqs]
@@ -115,8 +124,9 @@ class ModelRunner:
             prompts = [s.num_prompt_tokens for s in seqs]
             logits = apply_processors(logits, params, histories, prompts, self.eos_token_ids)
         tokens = sample(logits, params, [s.num_output_tokens for s in seqs])
+        logprobs = token_logprobs(logits, params, tokens)
         self.last_sample_s = time.perf_counter() - started
-        return tokens
+        return StepSample(tokens, logprobs)
 
     def _prefill_batch(self, batch: ScheduledBatch) -> PrefillBatch:
         """The step's prefill chunks (every sequence after the decodes) for one launch."""

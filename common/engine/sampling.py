@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from common.wire.logprobs import LOGPROB_FLOOR, TokenLogprobs
 from common.wire.sampling_params import SamplingParams
 
 _FIRST_K = 64  # candidates tried first for a top-p-only row; grown 8x while short
@@ -123,3 +124,28 @@ def _top_k_top_p(
     weights = vals.masked_fill(drop, 0.0)
     order = ids.argsort(dim=-1)  # token-id order: the pick does not depend on tie order
     return ids.gather(-1, order), weights.gather(-1, order)
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> list[TokenLogprobs | None] | None:
+    """Per row, the sampled token's logprob and its `logprobs` most likely tokens' (None for
+    rows that do not ask; None if none does). `logits` as `sample` saw them (processed);
+    the distribution is theirs over the temperature (1 for greedy rows), before top-k/top-p."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    device = logits.device
+    temps = [params[i].temperature or 1.0 for i in rows]
+    t = torch.tensor(temps, dtype=logits.dtype, device=device)[:, None]
+    lp = torch.log_softmax(_take(logits, rows) / t, dim=-1).clamp_(min=LOGPROB_FLOOR)
+    chosen = lp.gather(-1, torch.tensor([tokens[i] for i in rows], device=device)[:, None])
+    k = max(params[i].logprobs or 0 for i in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    values, ids, picked = top_v.tolist(), top_i.tolist(), chosen[:, 0].tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        top = tuple(zip(ids[j][:n], values[j][:n], strict=True))
+        out[i] = TokenLogprobs(logprob=picked[j], top=top)
+    return out

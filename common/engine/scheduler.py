@@ -24,6 +24,7 @@ from enum import Enum
 
 from common.engine.block_allocator import BlockAllocator, BlockState, block_hashes
 from common.engine.sequence import FinishReason, SeqStatus, Sequence
+from common.wire.logprobs import TokenLogprobs
 
 
 @dataclass
@@ -65,6 +66,8 @@ class StepOutput:
     # KV_COMPUTED only: the newly computed full prompt blocks, in prompt order, following
     # those reported before (pinned: held for the node until it releases the request).
     computed_blocks: list[int] | None = None
+    # One per new token, when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
 
     def __post_init__(self) -> None:
         if (self.held_blocks is not None) != (self.kind is OutputKind.HELD):
@@ -258,20 +261,28 @@ class Scheduler:
             self.allocator.register(seq.block_table[i], seq.block_hashes[i])
         seq.num_registered = full
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[StepOutput]:
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int],
+        logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> list[StepOutput]:
         """Advance computed counts, append sampled tokens, finish stopped sequences.
 
         `sampled` holds one token per entry whose step reached its last token, in
-        batch order.
+        batch order; `logprobs` (if any row asked) one entry per sampled token.
         """
         outputs: list[StepOutput] = []
         it = iter(sampled)
+        lps = iter(logprobs) if logprobs is not None else None
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             seq.num_computed_tokens += n
             self.register_computed(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that is not the last one
             token = next(it)
+            lp = next(lps) if lps is not None else None
+            token_lps = None if lp is None else [lp]
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
@@ -280,10 +291,14 @@ class Scheduler:
             elif seq.hold_kv:
                 held = self._hold(seq)
                 kind = OutputKind.HELD
-                outputs.append(StepOutput(seq.request_id, [token], True, None, kind, held))
+                outputs.append(
+                    StepOutput(seq.request_id, [token], True, None, kind, held, logprobs=token_lps)
+                )
                 _first_output(outputs[-1], seq)
                 continue
-            out = StepOutput(seq.request_id, [token], reason is not None, reason)
+            out = StepOutput(
+                seq.request_id, [token], reason is not None, reason, logprobs=token_lps
+            )
             _first_output(out, seq)
             outputs.append(out)
         return outputs

@@ -19,12 +19,12 @@ Imports only third-party packages (``tokenizers``), so it can live anywhere.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from common.model.gguf_config import GGUFError
+from common.wire.byte_level import byte_alphabet
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _CONTROL = 3
@@ -51,21 +51,6 @@ _REGEX_SPLIT_PRE = {
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
-
-
-@lru_cache(maxsize=1)
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (``bytes_to_unicode``)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def _byte_level_vocab(tokens: Sequence[str]) -> dict[str, int]:

@@ -425,6 +425,7 @@ async def stream_outputs(
                 finish_reason=reason,
                 events=events,
                 num_cached_tokens=out.num_cached_tokens,
+                logprobs=out.logprobs,
             )
             await resp.write(to_json(delta) + b"\n")
             if out.new_token_ids and token_gap is not None:

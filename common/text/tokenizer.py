@@ -30,6 +30,9 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from common.wire.byte_level import byte_of_char
+
+_TOKEN_BYTES_CACHE = 1 << 18  # token_bytes() results kept (a vocabulary or two)
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -59,6 +62,7 @@ class Tokenizer:
         self._chat_template = chat_template
         bos = self._special_tokens.get("bos_token")
         self._bos_token_id = backend.token_to_id(bos) if bos is not None else bos_token_id
+        self._token_bytes: dict[int, bytes] = {}  # token_bytes(), filled as asked (idempotent)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -122,6 +126,27 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for in decoded text (a byte-level token may be part of
+        a UTF-8 character); added tokens are their text. Unknown ids: b""."""
+        if token_id in self._token_bytes:
+            return self._token_bytes[token_id]
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            out = b""
+        elif token_id in self._added_ids:
+            out = piece.encode()
+        elif self._byte_level:
+            table = byte_of_char()
+            out = bytes(table[c] for c in piece if c in table)
+        elif token_id in self.byte_fallback_ids:
+            out = bytes([int(piece[3:5], 16)])
+        else:  # sentencepiece: the metaspace stands for a space
+            out = piece.replace("\u2581", " ").encode()
+        if len(self._token_bytes) < _TOKEN_BYTES_CACHE:
+            self._token_bytes[token_id] = out
+        return out
 
     # -- chat ---------------------------------------------------------------------------------
 
@@ -202,6 +227,15 @@ class Tokenizer:
         """Number of ids the tokenizer knows, added tokens included.  The model's embedding may
         be larger (padded); ids beyond the tokenizer's decode to nothing."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._backend.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        decoder = self._backend.decoder
+        return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
 
     @cached_property
     def special_token_ids(self) -> frozenset[int]:

@@ -33,6 +33,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.wire.fingerprint import PROTOCOL_VERSION
+from common.wire.logprobs import TokenLogprobs
 from common.wire.messages import Message, MessageError, register
 from common.wire.sampling_params import SamplingParams
 from common.wire.stage import Stage
@@ -105,6 +106,7 @@ class PrefillResult(Message):
     kv: KVHandle | None  # set iff finish_reason is None
     events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # for the trace
     num_cached_tokens: int = Field(default=0, ge=0)  # prompt tokens the prefix cache saved
+    first_logprobs: TokenLogprobs | None = None  # if the request asked for logprobs
 
 
 @register
@@ -149,6 +151,7 @@ class TokenDelta(Message):
     error_code: str | None = None  # e.g. kv_failed, kv_timeout: the proxy may retry elsewhere
     events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # first line only
     num_cached_tokens: int | None = Field(default=None, ge=0)  # first line only
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, if asked for
 
 
 @register

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from common.wire.logprobs import MAX_TOP_LOGPROBS
+
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -23,6 +25,8 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     min_tokens: int = Field(default=0, ge=0)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    # Report each sampled token's logprob and this many most likely tokens' (None: none).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # The output index of this request's first sampled token: nonzero when a request is
     # continued elsewhere (re-prefilled after a node failure), so seeded noise continues.
     output_index_base: int = Field(default=0, ge=0, lt=2**31)

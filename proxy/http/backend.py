@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from common.wire.logprobs import TokenLogprobs
 from common.wire.sampling_params import SamplingParams
 from proxy.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
 
@@ -40,12 +41,16 @@ class TokenChunk:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None
     num_cached_tokens: int | None = None  # first chunk: prompt tokens served from a cache
+    # One per token id when the request asked for logprobs (`SamplingParams.logprobs`).
+    logprobs: list[TokenLogprobs] | None = None
     # When the proxy got it (time.monotonic()): the relay time to the client starts here.
     arrived: float = field(default_factory=time.monotonic, compare=False)
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASONS)}")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError("a chunk's logprobs are one per token id")
 
 
 class BackendError(ApiError):

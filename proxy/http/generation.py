@@ -83,11 +83,16 @@ class Generation:
         return delta
 
     async def next_text(self) -> TextDelta:
-        """The next delta that has text or finishes."""
+        """The next delta that has text or finishes (with the logprobs of any textless delta
+        before it)."""
+        skipped: TextDelta | None = None
         while True:
             delta = await self.next_delta()
+            if skipped is not None:
+                delta = delta.after(skipped)
             if delta.text or delta.finish_reason is not None:
                 return delta
+            skipped = delta
 
     def report_finished(self) -> None:
         assert self.text.finish_reason is not None
@@ -98,13 +103,16 @@ class Generation:
 async def collect(gen: Generation, fmt: ApiFormat) -> dict[str, object]:
     """Run `gen` to its end; the whole response body."""
     parts: list[str] = []
+    whole = TextDelta("")  # every delta's tokens and logprobs, in order
     while True:
         delta = await gen.next_text()
         parts.append(delta.text)
+        whole = TextDelta("", None, delta.token_ids, delta.logprobs).after(whole)
         if delta.finish_reason is not None:
             break
     gen.report_finished()
-    return fmt.response("".join(parts), delta.finish_reason, gen.usage())
+    whole = TextDelta("".join(parts), delta.finish_reason, whole.token_ids, whole.logprobs)
+    return fmt.response(whole, gen.usage())
 
 
 async def write_stream(

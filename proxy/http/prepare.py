@@ -141,6 +141,7 @@ class RequestPreparer:
                 repetition_penalty=req.repetition_penalty,
                 min_tokens=req.min_tokens,
                 logit_bias=bias,
+                logprobs=req.num_logprobs,
             )
         except ValidationError as e:  # our bounds are tighter; this is a safety net
             raise invalid_request(f"invalid sampling parameters: {e.errors()[0]['msg']}") from e

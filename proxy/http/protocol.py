@@ -27,6 +27,7 @@ from pydantic import (
     model_serializer,
 )
 
+from common.wire.logprobs import MAX_TOP_LOGPROBS
 from proxy.http.errors import ApiError, invalid_request
 
 MAX_STOP_STRINGS = 4
@@ -143,6 +144,11 @@ class GenerationParams(_Request):
         return self.max_tokens
 
     @property
+    def num_logprobs(self) -> int | None:
+        """How many most likely tokens to report beside each sampled one (None: no logprobs)."""
+        return None
+
+    @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
 
@@ -152,7 +158,7 @@ class CompletionRequest(GenerationParams):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -168,6 +174,10 @@ class CompletionRequest(GenerationParams):
         return v
 
     @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
     def one_prompt(self) -> str | list[int]:
         """The prompt as `_one_prompt` left it: text or token ids, never a list of prompts.
         (The field's declared type is what may be sent, which mypy cannot see narrowed.)"""
@@ -178,13 +188,6 @@ class CompletionRequest(GenerationParams):
     def _no_echo(cls, v: bool) -> bool:
         if v:
             raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported")
         return v
 
     @field_validator("suffix")
@@ -230,7 +233,7 @@ class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # advisory while tools are refused
@@ -254,18 +257,11 @@ class ChatCompletionRequest(GenerationParams):
             )
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported")
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
         return v
 
     @field_validator("tools")
@@ -278,6 +274,10 @@ class ChatCompletionRequest(GenerationParams):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse_request(model: type[GenerationParams], text: str) -> Any:
@@ -339,10 +339,20 @@ class Usage(_Response):
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
+class CompletionLogprobs(_Response):
+    """Legacy completions: per token its text, logprob, most likely alternatives (text ->
+    logprob, the sampled token included) and offset in the choice's text."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -362,10 +372,28 @@ class AssistantMessage(_Response):
     content: str
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(_Response):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -392,7 +420,7 @@ class DeltaMessage(_Response):
 class ChatStreamChoice(_Response):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -12,17 +12,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from common.wire.logprobs import TokenLogprobs
 from proxy.http.errors import ApiError
 from proxy.http.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatStreamChoice,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
     PromptTokensDetails,
+    TopLogprob,
     Usage,
 )
 from proxy.http.text_stream import TextDelta
@@ -67,9 +72,9 @@ class TextEvents:
         return self._parts[0] + json.dumps(text, ensure_ascii=False).encode() + self._parts[1]
 
     def stream_delta(self, delta: TextDelta) -> bytes | None:
-        if not delta.text and delta.finish_reason is None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
-        if delta.finish_reason is None:
+        if delta.finish_reason is None and delta.logprobs is None:
             event = self.event(delta.text)
             if event is not None:
                 return event
@@ -93,6 +98,22 @@ class ResponseMeta:
     model: str
     created: int  # unix seconds
     include_usage: bool = False
+    # A token's bytes in decoded text (Tokenizer.token_bytes), to render logprobs.
+    token_bytes: Callable[[int], bytes] = lambda _: b""
+
+
+class TokenText:
+    """Token ids as logprobs show them: their text (invalid UTF-8 of a token that is part of
+    a character becomes U+FFFD) and bytes."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._bytes = token_bytes
+
+    def text(self, token_id: int) -> str:
+        return self._bytes(token_id).decode("utf-8", errors="replace")
+
+    def byte_list(self, token_id: int) -> list[int]:
+        return list(self._bytes(token_id))
 
 
 class ApiFormat(Protocol):
@@ -104,7 +125,7 @@ class ApiFormat(Protocol):
 
     def stream_usage(self, usage: Usage) -> bytes: ...
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]: ...
+    def response(self, whole: TextDelta, usage: Usage) -> dict[str, Any]: ...
 
 
 class CompletionFormat:
@@ -113,6 +134,8 @@ class CompletionFormat:
     def __init__(self, meta: ResponseMeta) -> None:
         self.meta = meta
         self._text = TextEvents(self._delta_chunk)
+        self._tokens = TokenText(meta.token_bytes)
+        self._offset = 0  # text_offset of the next token
 
     def stream_start(self) -> list[bytes]:
         return []
@@ -121,15 +144,36 @@ class CompletionFormat:
         return self._text.stream_delta(delta)
 
     def _delta_chunk(self, delta: TextDelta) -> bytes:
-        choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
+        choice = CompletionChoice(
+            text=delta.text, logprobs=self._logprobs(delta), finish_reason=delta.finish_reason
+        )
         return self._chunk([choice], None)
 
     def stream_usage(self, usage: Usage) -> bytes:
         return self._chunk([], usage)
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+    def response(self, whole: TextDelta, usage: Usage) -> dict[str, Any]:
+        choice = CompletionChoice(
+            text=whole.text, logprobs=self._logprobs(whole), finish_reason=whole.finish_reason
+        )
         return self._body([choice], usage).model_dump(mode="json")
+
+    def _logprobs(self, delta: TextDelta) -> CompletionLogprobs | None:
+        """The legacy shape; each token's text_offset counts the texts of the tokens before
+        it (as vLLM does), its top_logprobs the sampled token too."""
+        if delta.logprobs is None:
+            return None
+        out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+        for token_id, lp in zip(delta.token_ids, delta.logprobs, strict=True):
+            text = self._tokens.text(token_id)
+            out.text_offset.append(self._offset)
+            self._offset += len(text)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            top = {self._tokens.text(t): v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)
+            out.top_logprobs.append(top)
+        return out
 
     def _body(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
         m = self.meta
@@ -148,6 +192,7 @@ class ChatFormat:
     def __init__(self, meta: ResponseMeta) -> None:
         self.meta = meta
         self._text = TextEvents(self._delta_chunk)
+        self._tokens = TokenText(meta.token_bytes)
 
     def stream_start(self) -> list[bytes]:
         first = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
@@ -158,19 +203,46 @@ class ChatFormat:
 
     def _delta_chunk(self, delta: TextDelta) -> bytes:
         content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
-        choice = ChatStreamChoice(delta=content, finish_reason=delta.finish_reason)
+        choice = ChatStreamChoice(
+            delta=content, logprobs=self._logprobs(delta), finish_reason=delta.finish_reason
+        )
         return self._chunk([choice], None)
 
     def stream_usage(self, usage: Usage) -> bytes:
         return self._chunk([], usage)
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def response(self, whole: TextDelta, usage: Usage) -> dict[str, Any]:
         m = self.meta
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+        choice = ChatChoice(
+            message=AssistantMessage(content=whole.text),
+            logprobs=self._logprobs(whole),
+            finish_reason=whole.finish_reason,
+        )
         body = ChatCompletionResponse(
             id=m.request_id, created=m.created, model=m.model, choices=[choice], usage=usage
         )
         return body.model_dump(mode="json")
+
+    def _logprobs(self, delta: TextDelta) -> ChatLogprobs | None:
+        if delta.logprobs is None:
+            return None
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    token=self._tokens.text(token_id),
+                    logprob=lp.logprob,
+                    bytes=self._tokens.byte_list(token_id),
+                    top_logprobs=self._top(lp),
+                )
+                for token_id, lp in zip(delta.token_ids, delta.logprobs, strict=True)
+            ]
+        )
+
+    def _top(self, lp: TokenLogprobs) -> list[TopLogprob]:
+        return [
+            TopLogprob(token=self._tokens.text(t), logprob=v, bytes=self._tokens.byte_list(t))
+            for t, v in lp.top
+        ]
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None) -> bytes:
         m = self.meta

@@ -155,7 +155,10 @@ class ProxyServer:
             if patience_s is not None:
                 prep = replace(prep, generation=replace(prep.generation, patience_s=patience_s))
             self.hooks.on_prepared(rid, prep)
-            meta = ResponseMeta(rid, self.model_name, int(time.time()), prep.include_usage)
+            meta = ResponseMeta(
+                rid, self.model_name, int(time.time()), prep.include_usage,
+                self.tokenizer.token_bytes,
+            )  # fmt: skip
             return await self._run(request, prep, fmt_cls(meta), events)
         except ApiError as e:
             events.error(e, False)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
+from common.wire.logprobs import TokenLogprobs
 from proxy.http.backend import TokenChunk
 
 
@@ -29,6 +30,22 @@ from proxy.http.backend import TokenChunk
 class TextDelta:
     text: str
     finish_reason: str | None = None  # set on the delta that ends the stream
+    # With logprobs: the rendered tokens of the chunk(s) behind this delta and theirs (the
+    # text of a token may come in a later delta, held back by the detokenizer or a stop
+    # string's possible start; a token cut by a stop string still counts).
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    def after(self, earlier: TextDelta) -> TextDelta:
+        """This delta with the tokens of an `earlier`, textless one in front."""
+        if earlier.logprobs is None:
+            return self
+        return TextDelta(
+            self.text,
+            self.finish_reason,
+            earlier.token_ids + self.token_ids,
+            earlier.logprobs + (self.logprobs or ()),
+        )
 
 
 class StopMatcher:
@@ -117,11 +134,13 @@ class TextStream:
             matched = False
         else:
             text, matched = self._stops.push(text)
+        lps = None if chunk.logprobs is None else tuple(chunk.logprobs[: len(visible)])
+        ids = tuple(visible) if lps is not None else ()
         if matched:
-            return self._finish(text, "stop")
+            return self._finish(text, "stop", ids, lps)
         if chunk.finish_reason is not None:
-            return self._finish(text + self._stops.flush(), chunk.finish_reason)
-        return TextDelta(text)
+            return self._finish(text + self._stops.flush(), chunk.finish_reason, ids, lps)
+        return TextDelta(text, None, ids, lps)
 
     def _visible_ids(self, chunk: TokenChunk) -> list[int]:
         ids = chunk.token_ids
@@ -129,6 +148,12 @@ class TextStream:
             return ids[:-1]
         return ids
 
-    def _finish(self, text: str, reason: str) -> TextDelta:
+    def _finish(
+        self,
+        text: str,
+        reason: str,
+        ids: tuple[int, ...],
+        lps: tuple[TokenLogprobs, ...] | None,
+    ) -> TextDelta:
         self.finish_reason = reason
-        return TextDelta(text, reason)
+        return TextDelta(text, reason, ids, lps)

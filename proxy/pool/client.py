@@ -152,6 +152,7 @@ class NodeStream:
             await self._fill()
         first = self._chunk(self._parse(self._lines.popleft()))
         later: list[int] = []  # token ids of the lines merged into it
+        logprobs = list(first.logprobs) if first.logprobs is not None else None
         finish, merged = first.finish_reason, False
         while finish is None and self._lines:
             delta = self._parse(self._lines[0])
@@ -160,10 +161,14 @@ class NodeStream:
             self._lines.popleft()
             more = self._chunk(delta)
             later += more.token_ids
+            if logprobs is not None:
+                logprobs += more.logprobs or []
             finish, merged = more.finish_reason, True
         if not merged:
             return first
-        return TokenChunk(first.token_ids + later, finish, first.num_cached_tokens, first.arrived)
+        return TokenChunk(
+            first.token_ids + later, finish, first.num_cached_tokens, logprobs, first.arrived
+        )
 
     def close(self) -> None:
         self._resp.close()
@@ -247,7 +252,11 @@ class NodeStream:
             if delta.error_code in KV_ERROR_CODES:  # the KV never came: re-prefill may help
                 raise NodeLost(self.url, message, node_down=False)
             raise BackendError.failed(message)
-        return TokenChunk(delta.token_ids, delta.finish_reason, delta.num_cached_tokens)
+        if delta.logprobs is not None and len(delta.logprobs) != len(delta.token_ids):
+            raise BackendError.failed(f"node {self.url} sent logprobs that miss tokens")
+        return TokenChunk(
+            delta.token_ids, delta.finish_reason, delta.num_cached_tokens, delta.logprobs
+        )
 
 
 class NodeClient:

@@ -196,7 +196,7 @@ class DisaggBackend:
             return
         prefill_url, result = await self._prefill(req, self._prefill_on, remote)
         self.budget.prefilled(budget_id)
-        first = TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens)
+        first = _first_chunk(result)
         if result.kv is None:
             self.budget.release(budget_id)
             yield first
@@ -245,7 +245,7 @@ class DisaggBackend:
         # No await from here into _queued: the entry is cancelled on every exit.
         self.traces.enter(req.request_id, Stage.INTERSTAGE)
         self.budget.prefilled(budget_id)
-        first = TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens)
+        first = _first_chunk(result)
         if result.kv is None:  # finished at its first token: the decode side is not needed
             self.queue.cancel(entry)
             self.budget.release(budget_id)
@@ -557,6 +557,11 @@ def _unreachable(
     registry.report_failure(node.url, e.message)
     if e.maybe_received:
         client.cancel_soon(node.url, request_id)
+
+
+def _first_chunk(result: PrefillResult) -> TokenChunk:
+    lps = None if result.first_logprobs is None else [result.first_logprobs]
+    return TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens, lps)
 
 
 def continuation(req: GenerationRequest, emitted: list[int], n: int) -> GenerationRequest:

@@ -9,30 +9,37 @@ from pathlib import Path
 import pytest
 
 from common.engine.config import EngineConfig
-from common.engine.engine import LLMEngine
+from common.engine.engine import Completion, LLMEngine
 from common.text.tokenizer import Tokenizer
 from common.wire.sampling_params import SamplingParams
 from tests.support.cluster import Cluster, Topology, start_cluster
 
 
 @pytest.fixture(scope="module")
-def offline_token_ids(tiny_model_dir: Path) -> Callable[[list[int], SamplingParams], list[int]]:
-    """`offline_token_ids(prompt_ids, sampling)`: the offline engine's output token ids for
-    one prompt run alone (cached per prompt and sampling), to compare served text with."""
+def offline_completion(tiny_model_dir: Path) -> Callable[[list[int], SamplingParams], Completion]:
+    """`offline_completion(prompt_ids, sampling)`: the offline engine's Completion for one
+    prompt run alone (cached per prompt and sampling), to compare served output with."""
     # No prefix cache: the reference computes every prompt in full.
     engine = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), num_blocks=256, enable_prefix_caching=False)
     )
-    cache: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}
+    cache: dict[tuple[tuple[int, ...], SamplingParams], Completion] = {}
 
-    def run(prompt: list[int], sampling: SamplingParams) -> list[int]:
+    def run(prompt: list[int], sampling: SamplingParams) -> Completion:
         key = (tuple(prompt), sampling)
         if key not in cache:
-            (done,) = engine.generate([prompt], sampling)
-            cache[key] = done.token_ids
+            (cache[key],) = engine.generate([prompt], sampling)
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def offline_token_ids(
+    offline_completion: Callable[[list[int], SamplingParams], Completion],
+) -> Callable[[list[int], SamplingParams], list[int]]:
+    """`offline_token_ids(prompt_ids, sampling)`: the offline engine's output token ids."""
+    return lambda prompt, sampling: offline_completion(prompt, sampling).token_ids
 
 
 @pytest.fixture(scope="module")

@@ -137,6 +137,68 @@ def test_sampling_controls_match_offline_streamed_and_not(
     cluster.wait_baseline()
 
 
+def test_logprobs_match_offline_streamed_and_not(
+    cluster: Cluster, tokenizer: Tokenizer, offline_completion: Callable
+) -> None:
+    """Issue 19: completions `logprobs` and chat `logprobs`/`top_logprobs`, streamed and
+    not, are the offline engine's, the first token's (sampled on the prefill node) too."""
+    client = _client(cluster)
+    model = _model(client)
+    common = {"model": model, "max_tokens": 10, "temperature": 0.8, "seed": 5}
+    common["extra_body"] = {"ignore_eos": True}
+    prompt = "Once upon a time"
+    want = offline_completion(
+        tokenizer.encode(prompt),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True, logprobs=3),
+    )
+    texts = [tokenizer.token_bytes(t).decode("utf-8", "replace") for t in want.token_ids]
+    full = client.completions.create(prompt=prompt, logprobs=3, **common)
+    lp = full.choices[0].logprobs
+    assert lp is not None and lp.tokens == texts and full.choices[0].text == "".join(texts)
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+    assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+    for top, w, text in zip(lp.top_logprobs, want.logprobs, texts, strict=True):
+        expected = {tokenizer.token_bytes(t).decode("utf-8", "replace"): v for t, v in w.top}
+        expected.setdefault(text, w.logprob)
+        assert top == pytest.approx(expected, abs=1e-4)
+    chunks = list(client.completions.create(prompt=prompt, logprobs=3, stream=True, **common))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == texts
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+    messages = [{"role": "user", "content": "Tell me about the quick brown fox."}]
+    want = offline_completion(
+        tokenizer.encode_chat(messages),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True, logprobs=2),
+    )
+    for stream in (False, True):
+        out = client.chat.completions.create(
+            messages=messages, logprobs=True, top_logprobs=2, stream=stream, **common
+        )
+        if stream:
+            content = [
+                e
+                for c in out
+                if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content
+            ]
+        else:
+            assert out.choices[0].logprobs is not None
+            content = out.choices[0].logprobs.content
+        assert [list(tokenizer.token_bytes(t)) for t in want.token_ids] == [
+            e.bytes for e in content
+        ]
+        for e, w in zip(content, want.logprobs, strict=True):
+            assert e.logprob == pytest.approx(w.logprob, abs=1e-4)
+            assert [x.logprob for x in e.top_logprobs] == pytest.approx(
+                [v for _, v in w.top], abs=1e-4
+            )
+            assert [x.bytes for x in e.top_logprobs] == [
+                list(tokenizer.token_bytes(t)) for t, _ in w.top
+            ]
+    cluster.wait_baseline()
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(
     cluster: Cluster, tokenizer: Tokenizer
 ) -> None:

@@ -33,8 +33,8 @@ from common.model.builtin import (  # noqa: E402
     extract_member,
     fetch_builtin,
 )
-from common.model.gguf_tokenizer import byte_alphabet  # noqa: E402
 from common.tiny.model import default_cache_root  # noqa: E402
+from common.wire.byte_level import byte_alphabet  # noqa: E402
 
 SMOLLM2 = BUILTIN["smollm2-135m-instruct"]
 GGUF_NAME = Path(SMOLLM2.member).name

@@ -111,3 +111,42 @@ def test_engine_with_processors_matches_transformers(
     assert any(g.token_ids != p.token_ids for g, p in zip(got, plain, strict=True))
     if sp.min_tokens:
         assert all(len(g.token_ids) == MAX_TOKENS for g in got)
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(temperature=0, max_tokens=12, logprobs=5),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=12, logprobs=3, repetition_penalty=1.2),
+    ],
+    ids=["greedy", "sampled-penalized"],
+)
+def test_logprobs_equal_transformers_log_softmax(
+    sp: SamplingParams, engine: LLMEngine, ref_model: Any, ref_tokenizer: Any
+) -> None:
+    """Each reported logprob (the sampled token's and the top ones) is transformers'
+    log-softmax at that position, after the processors and the temperature."""
+    text = ref_tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], tokenize=False, add_generation_prompt=True
+    )
+    ids = ref_tokenizer(text).input_ids
+    (done,) = engine.generate([ids], sp)
+    assert done.logprobs is not None and len(done.logprobs) == len(done.token_ids)
+    procs = _processors(sp, len(ids), list(engine.model_config.eos_token_ids))
+    if sp.temperature:
+        procs.append(transformers.TemperatureLogitsWarper(sp.temperature))
+    full = torch.tensor([ids + done.token_ids])
+    with torch.inference_mode():
+        logits = ref_model(full).logits[0].float()
+    for i, (token, lp) in enumerate(zip(done.token_ids, done.logprobs, strict=True)):
+        pos = len(ids) + i - 1
+        scores = procs(full[:, : pos + 1], logits[pos : pos + 1].clone())
+        want = torch.log_softmax(scores[0], dim=-1)
+        assert lp.logprob == pytest.approx(float(want[token]), abs=2e-3), i
+        top_v, top_i = want.topk(sp.logprobs or 0)
+        got_ids = [t for t, _ in lp.top]
+        assert len(got_ids) == sp.logprobs
+        for (t, v), wv in zip(lp.top, top_v.tolist(), strict=True):
+            assert v == pytest.approx(wv, abs=2e-3) and v == pytest.approx(float(want[t]), abs=2e-3)
+        if sp.greedy:
+            assert got_ids[0] == token == int(top_i[0])
