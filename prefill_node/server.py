@@ -159,6 +159,7 @@ class PrefillNode(TransferNode):
                 kv=None,
                 num_cached_tokens=out.num_cached_tokens or 0,
                 first_logprobs=first_logprobs,
+                prompt_logprobs=out.prompt_logprobs,
             )
         return PrefillResult(
             request_id=msg.request_id,
@@ -167,6 +168,7 @@ class PrefillNode(TransferNode):
             kv=self._handle(entry),
             num_cached_tokens=out.num_cached_tokens or 0,
             first_logprobs=first_logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     def _handle(self, entry: HeldKV) -> KVHandle:

@@ -87,6 +87,7 @@ class Completion:
     token_ids: list[int]  # the generated tokens, a stop token included as the engine emits it
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs] | None = None  # one per token, if the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., if asked
 
 
 class LLMEngine:
@@ -351,6 +352,7 @@ class LLMEngine:
             self.add_request(rid, list(prompt), sp)
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
+        prompt_lps: dict[str, list[TokenLogprobs] | None] = dict.fromkeys(ids)
         reasons: dict[str, FinishReason] = {}
         for _ in range(max_steps):
             if len(reasons) == len(ids):
@@ -360,12 +362,16 @@ class LLMEngine:
                     on_output(out)
                 tokens[out.request_id] += out.new_token_ids
                 logprobs[out.request_id] += out.logprobs or []
+                if out.prompt_logprobs is not None:
+                    prompt_lps[out.request_id] = out.prompt_logprobs
                 if out.finished and out.finish_reason is not None:
                     reasons[out.request_id] = out.finish_reason
         else:
             raise RuntimeError(f"generate: not finished after {max_steps} steps")
         return [
-            Completion(rid, list(p), tokens[rid], reasons[rid], logprobs[rid] or None)
+            Completion(
+                rid, list(p), tokens[rid], reasons[rid], logprobs[rid] or None, prompt_lps[rid]
+            )
             for rid, p in zip(ids, prompts, strict=True)
         ]
 
@@ -416,7 +422,9 @@ class LLMEngine:
             seconds = t3 - t2
             self._step_times.append(seconds)
             self._measure(batch.num_tokens - batch.num_decode, seconds)
-            outputs += self.scheduler.postprocess(batch, sampled.tokens, sampled.logprobs)
+            outputs += self.scheduler.postprocess(
+                batch, sampled.tokens, sampled.logprobs, sampled.prompt_logprobs
+            )
             outputs += self._pin_computed(batch)
         for out in outputs:
             if out.kind is OutputKind.HELD:

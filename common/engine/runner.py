@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.logits_processors import apply_processors
-from common.engine.sampling import sample, token_logprobs
+from common.engine.sampling import sample, token_logprobs, token_logprobs_rows
 from common.engine.scheduler import ScheduledBatch
 from common.engine.sequence import Sequence
 from common.model.attention import AttentionMetadata, PrefillBatch, PrefillSlice
 from common.model.decoder import LlamaForCausalLM
 from common.wire.logprobs import TokenLogprobs
 from kernels.dispatch import Kernels
+
+_PROMPT_SLICE = 256  # prompt positions whose logits are computed at once (prompt logprobs)
 
 
 @dataclass
@@ -25,6 +27,9 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: list[int]  # flat rows whose logits are sampled
     sample_seqs: list[Sequence]  # the sequence of each sampled row
+    # Prompt logprobs: per asking sequence in a prefill chunk, (its first prompt position
+    # in this chunk, the flat rows whose next token is a prompt token, those tokens).
+    prompt_rows: list[tuple[Sequence, int, list[int], list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -33,6 +38,9 @@ class StepSample:
 
     tokens: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    # request id -> (first position, logprobs of the prompt tokens after it): positions
+    # computed this step of the prompts that asked (`SamplingParams.prompt_logprobs`).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -62,10 +70,15 @@ class ModelRunner:
         rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prefills: list[PrefillSlice] = []
+        prompt_rows: list[tuple[Sequence, int, list[int], list[int]]] = []
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
+            last = min(end, seq.num_prompt_tokens - 1)  # positions whose next token is prompt
+            if seq.sampling.prompt_logprobs is not None and start < last:
+                rows_ = list(range(len(ids), len(ids) + last - start))
+                prompt_rows.append((seq, start, rows_, seq.token_ids[start + 1 : last + 1]))
             if n > 1:
                 used = torch.tensor(table[: -(-end // bs)], device=self.device)
                 prefills.append(PrefillSlice(len(ids), n, start, used))
@@ -87,7 +100,9 @@ class ModelRunner:
             kernels=self.kernels,
             prefill_batch=self._prefill_batch(batch) if prefills and self._varlen else None,
         )
-        return StepInputs(self._tensor(ids), self._tensor(positions), meta, rows, sample_seqs)
+        return StepInputs(
+            self._tensor(ids), self._tensor(positions), meta, rows, sample_seqs, prompt_rows
+        )
 
     def run(self, batch: ScheduledBatch) -> StepSample:
         """One forward over the batch; returns the sampled token of each sampling entry."""
@@ -96,6 +111,7 @@ class ModelRunner:
         if (
             graphs is not None
             and not x.meta.prefills
+            and not x.prompt_rows
             and x.sample_rows
             and graphs.fits(batch.num_decode, x.meta.decode_block_tables.shape[1])
         ):
@@ -104,6 +120,7 @@ class ModelRunner:
                 logits = logits[x.sample_rows]
             return self._sample(logits, x)
         hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
+        prompt_lps = self._prompt_logprobs(hidden, x) if x.prompt_rows else {}
         if not x.sample_rows:
             self.last_sample_s = 0.0
             if self.device.type == "cuda":
@@ -111,8 +128,27 @@ class ModelRunner:
                 # this step wrote may be shipped (streamed groups) as soon as it returns, by a
                 # DMA that does not follow this stream.
                 torch.cuda.synchronize(self.device)
-            return StepSample([])
-        return self._sample(self.model.compute_logits(hidden[x.sample_rows]), x)
+            return StepSample([], prompt_logprobs=prompt_lps)
+        out = self._sample(self.model.compute_logits(hidden[x.sample_rows]), x)
+        out.prompt_logprobs = prompt_lps
+        return out
+
+    @torch.inference_mode()
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, x: StepInputs
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """The model's own log-softmax (no processors, temperature 1) at each prompt
+        position of the asking sequences, in slices of rows to bound the logits' memory."""
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        for seq, start, rows, targets in x.prompt_rows:
+            k = seq.sampling.prompt_logprobs or 0
+            lps: list[TokenLogprobs] = []
+            for a in range(0, len(rows), _PROMPT_SLICE):
+                part = rows[a : a + _PROMPT_SLICE]
+                logits = self.model.compute_logits(hidden[part])
+                lps += token_logprobs_rows(logits, k, targets[a : a + _PROMPT_SLICE])
+            out[seq.request_id] = (start, lps)
+        return out
 
     @torch.inference_mode()  # (the logits are inference tensors, processed in place)
     def _sample(self, logits: torch.Tensor, x: StepInputs) -> StepSample:

@@ -135,17 +135,35 @@ def token_logprobs(
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
-    device = logits.device
     temps = [params[i].temperature or 1.0 for i in rows]
-    t = torch.tensor(temps, dtype=logits.dtype, device=device)[:, None]
-    lp = torch.log_softmax(_take(logits, rows) / t, dim=-1).clamp_(min=LOGPROB_FLOOR)
-    chosen = lp.gather(-1, torch.tensor([tokens[i] for i in rows], device=device)[:, None])
-    k = max(params[i].logprobs or 0 for i in rows)
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    t = torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+    found = _logprobs_of(
+        _take(logits, rows) / t,
+        [tokens[i] for i in rows],
+        [params[i].logprobs or 0 for i in rows],
+    )
     out: list[TokenLogprobs | None] = [None] * len(params)
-    values, ids, picked = top_v.tolist(), top_i.tolist(), chosen[:, 0].tolist()
-    for j, i in enumerate(rows):
-        n = params[i].logprobs or 0
-        top = tuple(zip(ids[j][:n], values[j][:n], strict=True))
-        out[i] = TokenLogprobs(logprob=picked[j], top=top)
+    for i, lp in zip(rows, found, strict=True):
+        out[i] = lp
     return out
+
+
+def token_logprobs_rows(logits: torch.Tensor, k: int, tokens: list[int]) -> list[TokenLogprobs]:
+    """Row i's log-softmax at tokens[i], and its k most likely tokens' (prompt logprobs:
+    the model's own distribution, nothing processed)."""
+    return _logprobs_of(logits, tokens, [k] * len(tokens))
+
+
+def _logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    lp = torch.log_softmax(logits, dim=-1).clamp_(min=LOGPROB_FLOOR)
+    chosen = lp.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    k = max(ks, default=0)
+    if k:
+        top_v, top_i = lp.topk(k, dim=-1)
+        values, ids = top_v.tolist(), top_i.tolist()
+    else:
+        values = ids = [[] for _ in tokens]
+    return [
+        TokenLogprobs(logprob=c, top=tuple(zip(i[:n], v[:n], strict=True)))
+        for c, i, v, n in zip(chosen, ids, values, ks, strict=True)
+    ]

@@ -68,6 +68,9 @@ class StepOutput:
     computed_blocks: list[int] | None = None
     # One per new token, when the request asked for logprobs.
     logprobs: list[TokenLogprobs] | None = None
+    # First output only, when the request asked: those of prompt tokens 1.. (the first
+    # prompt token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def __post_init__(self) -> None:
         if (self.held_blocks is not None) != (self.kind is OutputKind.HELD):
@@ -225,6 +228,8 @@ class Scheduler:
         tokens: the step must compute one to sample)."""
         if not self.prefix_caching or seq.block_table or seq.num_computed_tokens:
             return []
+        if seq.sampling.prompt_logprobs is not None:
+            return []  # every prompt position is computed for its logprobs
         usable = (seq.num_tokens - 1) // self.block_size
         if usable <= 0:
             return []
@@ -266,13 +271,21 @@ class Scheduler:
         batch: ScheduledBatch,
         sampled: list[int],
         logprobs: list[TokenLogprobs | None] | None = None,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
     ) -> list[StepOutput]:
         """Advance computed counts, append sampled tokens, finish stopped sequences.
 
         `sampled` holds one token per entry whose step reached its last token, in
-        batch order; `logprobs` (if any row asked) one entry per sampled token.
+        batch order; `logprobs` (if any row asked) one entry per sampled token;
+        `prompt_logprobs` the prompt positions computed this step, of the sequences that
+        asked (their first output carries them all).
         """
         outputs: list[StepOutput] = []
+        for seq in batch.seqs:
+            found = prompt_logprobs.get(seq.request_id) if prompt_logprobs else None
+            if found is not None:  # (chunks come in order; a recompute adds nothing)
+                start, computed = found
+                seq.prompt_logprobs += computed[max(0, len(seq.prompt_logprobs) - start) :]
         it = iter(sampled)
         lps = iter(logprobs) if logprobs is not None else None
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
@@ -370,9 +383,12 @@ class Scheduler:
 
 
 def _first_output(out: StepOutput, seq: Sequence) -> None:
-    """On the first output of `seq`: its (arrival, first scheduled) times and its cache hit."""
+    """On the first output of `seq`: its (arrival, first scheduled) times, its cache hit and
+    its prompt logprobs, if it asked."""
     if seq.times_reported:
         return
     seq.times_reported = True
     out.times = seq.arrival_time, seq.scheduled_time or seq.arrival_time
     out.num_cached_tokens = seq.num_cached_tokens
+    if seq.sampling.prompt_logprobs is not None:
+        out.prompt_logprobs = seq.prompt_logprobs

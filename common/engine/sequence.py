@@ -6,6 +6,7 @@ import time
 from enum import Enum
 
 from common.wire.fsm import Transitions
+from common.wire.logprobs import TokenLogprobs
 from common.wire.node_messages import FinishReasonName
 from common.wire.sampling_params import SamplingParams
 
@@ -75,6 +76,9 @@ class Sequence:
         self.expected_cached = 0
         self.num_queued_hashes = 0
         self.finish_reason: FinishReason | None = None
+        # sampling.prompt_logprobs: those of prompt tokens 1.. so far (one per position
+        # computed; a recompute after preemption does not add them again).
+        self.prompt_logprobs: list[TokenLogprobs] = []
         self.num_preemptions = 0
         # Prefill role: after the first token, keep the prompt's KV blocks (HELD)
         # for transfer instead of decoding on.

@@ -107,6 +107,7 @@ class PrefillResult(Message):
     events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # for the trace
     num_cached_tokens: int = Field(default=0, ge=0)  # prompt tokens the prefix cache saved
     first_logprobs: TokenLogprobs | None = None  # if the request asked for logprobs
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., if asked for
 
 
 @register
@@ -152,6 +153,7 @@ class TokenDelta(Message):
     events: list[NodeEvent] = Field(default_factory=list, max_length=64)  # first line only
     num_cached_tokens: int | None = Field(default=None, ge=0)  # first line only
     logprobs: list[TokenLogprobs] | None = None  # one per token id, if asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None  # first line only, if asked for
 
 
 @register

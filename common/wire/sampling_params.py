@@ -27,6 +27,10 @@ class SamplingParams(BaseModel):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     # Report each sampled token's logprob and this many most likely tokens' (None: none).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Report each prompt token's logprob (given the tokens before it; the first has none)
+    # and this many most likely tokens' there, computed during prefill (None: none). Such a
+    # request computes its whole prompt: it takes nothing from the prefix cache.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # The output index of this request's first sampled token: nonzero when a request is
     # continued elsewhere (re-prefilled after a node failure), so seeded noise continues.
     output_index_base: int = Field(default=0, ge=0, lt=2**31)

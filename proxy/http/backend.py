@@ -43,6 +43,8 @@ class TokenChunk:
     num_cached_tokens: int | None = None  # first chunk: prompt tokens served from a cache
     # One per token id when the request asked for logprobs (`SamplingParams.logprobs`).
     logprobs: list[TokenLogprobs] | None = None
+    # First chunk only, when asked (`SamplingParams.prompt_logprobs`): prompt tokens 1..
+    prompt_logprobs: list[TokenLogprobs] | None = None
     # When the proxy got it (time.monotonic()): the relay time to the client starts here.
     arrived: float = field(default_factory=time.monotonic, compare=False)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -43,7 +44,12 @@ class Generation:
         if not sampling.ignore_eos:
             stop_ids.update(tokenizer.eos_token_ids)
         self.text = TextStream(
-            tokenizer, prep.generation.prompt_token_ids, prep.stop, stop_ids, sampling.min_tokens
+            tokenizer,
+            prep.generation.prompt_token_ids,
+            prep.stop,
+            stop_ids,
+            sampling.min_tokens,
+            prep.echo,
         )
         self._tokens: TokenStream = backend.generate(prep.generation)
         self.arrived = 0.0  # when the last backend chunk arrived (time.monotonic())
@@ -107,11 +113,11 @@ async def collect(gen: Generation, fmt: ApiFormat) -> dict[str, object]:
     while True:
         delta = await gen.next_text()
         parts.append(delta.text)
-        whole = TextDelta("", None, delta.token_ids, delta.logprobs).after(whole)
+        whole = replace(delta, text="", finish_reason=None).after(whole)
         if delta.finish_reason is not None:
             break
     gen.report_finished()
-    whole = TextDelta("".join(parts), delta.finish_reason, whole.token_ids, whole.logprobs)
+    whole = replace(whole, text="".join(parts), finish_reason=delta.finish_reason)
     return fmt.response(whole, gen.usage())
 
 

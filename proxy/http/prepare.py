@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import ValidationError
 
@@ -31,6 +31,7 @@ class PreparedRequest:
     stop: tuple[str, ...]  # stop strings, applied by the proxy
     stream: bool
     include_usage: bool
+    echo: str | None = None  # completions `echo`: the prompt's text, returned before the output
 
     @property
     def request_id(self) -> str:
@@ -60,7 +61,13 @@ class RequestPreparer:
         else:
             ids = [int(t) for t in prompt]  # token ids: validation unwrapped [[ids]]
             self._check_ids(ids, "prompt")
-        return self._finish(request_id, req, ids, "prompt")
+        prep = self._finish(request_id, req, ids, "prompt")
+        if not req.echo:
+            return prep
+        echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        sampling = prep.generation.sampling.model_copy(update={"prompt_logprobs": req.logprobs})
+        generation = replace(prep.generation, sampling=sampling)
+        return replace(prep, generation=generation, echo=echo)
 
     async def chat(self, request_id: str, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_model(req.model)

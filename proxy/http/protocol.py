@@ -183,13 +183,6 @@ class CompletionRequest(GenerationParams):
         (The field's declared type is what may be sent, which mypy cannot see narrowed.)"""
         return cast("str | list[int]", self.prompt)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:

@@ -74,7 +74,7 @@ class TextEvents:
     def stream_delta(self, delta: TextDelta) -> bytes | None:
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
-        if delta.finish_reason is None and delta.logprobs is None:
+        if delta.finish_reason is None and delta.logprobs is None and delta.echo_logprobs is None:
             event = self.event(delta.text)
             if event is not None:
                 return event
@@ -161,14 +161,20 @@ class CompletionFormat:
     def _logprobs(self, delta: TextDelta) -> CompletionLogprobs | None:
         """The legacy shape; each token's text_offset counts the texts of the tokens before
         it (as vLLM does), its top_logprobs the sampled token too."""
-        if delta.logprobs is None:
+        if delta.logprobs is None and delta.echo_logprobs is None:
             return None
         out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
-        for token_id, lp in zip(delta.token_ids, delta.logprobs, strict=True):
+        echoed = zip(delta.echo_ids, delta.echo_logprobs or (), strict=True)
+        made = zip(delta.token_ids, delta.logprobs or (), strict=True)
+        for token_id, lp in [*echoed, *made]:
             text = self._tokens.text(token_id)
             out.text_offset.append(self._offset)
             self._offset += len(text)
             out.tokens.append(text)
+            if lp is None:  # the prompt's first token: nothing before it to predict it
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
             out.token_logprobs.append(lp.logprob)
             top = {self._tokens.text(t): v for t, v in lp.top}
             top.setdefault(text, lp.logprob)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.tokenizer import Tokenizer
 from common.wire.logprobs import TokenLogprobs
-from proxy.http.backend import TokenChunk
+from proxy.http.backend import BackendError, TokenChunk
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,26 @@ class TextDelta:
     # string's possible start; a token cut by a stop string still counts).
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    # The first delta of an echo: the prompt's tokens and, with logprobs, theirs (the first
+    # prompt token has none).
+    echo_ids: tuple[int, ...] = ()
+    echo_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     def after(self, earlier: TextDelta) -> TextDelta:
-        """This delta with the tokens of an `earlier`, textless one in front."""
-        if earlier.logprobs is None:
+        """This delta with the tokens (and echo) of an `earlier` one in front (its text is
+        the caller's)."""
+        if earlier.logprobs is None and not earlier.echo_ids:
             return self
+        logprobs = None
+        if earlier.logprobs is not None or self.logprobs is not None:
+            logprobs = (earlier.logprobs or ()) + (self.logprobs or ())
         return TextDelta(
             self.text,
             self.finish_reason,
             earlier.token_ids + self.token_ids,
-            earlier.logprobs + (self.logprobs or ()),
+            logprobs,
+            earlier.echo_ids or self.echo_ids,
+            earlier.echo_logprobs or self.echo_logprobs,
         )
 
 
@@ -104,9 +114,12 @@ class TextStream:
         stop: Sequence[str] = (),
         stop_token_ids: Iterable[int] = (),
         min_tokens: int = 0,
+        echo: str | None = None,
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_token_ids)
         self._min_tokens = min_tokens
+        self._echo = echo  # returned before the first output, then None
+        self._prompt_ids = tuple(prompt_token_ids)
         self._stops = StopMatcher(stop)
         self._stop_ids = frozenset(stop_token_ids)
         self.completion_tokens = 0
@@ -124,7 +137,7 @@ class TextStream:
             raise RuntimeError("TextStream: chunk after the stream finished")
         if self._first and chunk.num_cached_tokens is not None:
             self.cached_tokens = chunk.num_cached_tokens  # (a migration's re-prefill: not it)
-        self._first = False
+        first, self._first = self._first, False
         self.completion_tokens += len(chunk.token_ids)
         visible = self._visible_ids(chunk)
         text = self._detok.push(visible)
@@ -137,10 +150,31 @@ class TextStream:
         lps = None if chunk.logprobs is None else tuple(chunk.logprobs[: len(visible)])
         ids = tuple(visible) if lps is not None else ()
         if matched:
-            return self._finish(text, "stop", ids, lps)
-        if chunk.finish_reason is not None:
-            return self._finish(text + self._stops.flush(), chunk.finish_reason, ids, lps)
-        return TextDelta(text, None, ids, lps)
+            delta = self._finish(text, "stop", ids, lps)
+        elif chunk.finish_reason is not None:
+            delta = self._finish(text + self._stops.flush(), chunk.finish_reason, ids, lps)
+        else:
+            delta = TextDelta(text, None, ids, lps)
+        if first and self._echo is not None:
+            delta = self._echoed(delta, chunk)
+        return delta
+
+    def _echoed(self, delta: TextDelta, chunk: TokenChunk) -> TextDelta:
+        """The first delta with the prompt (its text, tokens and their logprobs) in front."""
+        echo, self._echo = self._echo or "", None
+        echo_lps = None
+        if chunk.prompt_logprobs is not None:
+            if len(chunk.prompt_logprobs) != len(self._prompt_ids) - 1:
+                raise BackendError.failed("the node's prompt logprobs do not cover the prompt")
+            echo_lps = (None, *chunk.prompt_logprobs)
+        return TextDelta(
+            echo + delta.text,
+            delta.finish_reason,
+            delta.token_ids,
+            delta.logprobs,
+            self._prompt_ids,
+            echo_lps,
+        )
 
     def _visible_ids(self, chunk: TokenChunk) -> list[int]:
         ids = chunk.token_ids

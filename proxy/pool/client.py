@@ -70,7 +70,7 @@ ROLE_PATH = "/internal/role"
 RESET_PREFIX_CACHE_PATH = "/internal/reset_prefix_cache"
 JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_BODY = 64 * 1024
-MAX_LINE_BYTES = 1 << 20  # a token stream's longest line
+MAX_LINE_BYTES = 64 << 20  # a token stream's longest line (prompt logprobs make it long)
 KV_ERROR_CODES = frozenset({"kv_failed", "kv_timeout", "kv_handshake"})
 ROLE_CHANGE_CODE = "role_change"  # a stream the node ended to change role: continue it
 MOVED_CODES = frozenset({"stale_epoch", "wrong_role"})  # 409: the node did not take it
@@ -167,7 +167,12 @@ class NodeStream:
         if not merged:
             return first
         return TokenChunk(
-            first.token_ids + later, finish, first.num_cached_tokens, logprobs, first.arrived
+            first.token_ids + later,
+            finish,
+            first.num_cached_tokens,
+            logprobs,
+            first.prompt_logprobs,
+            first.arrived,
         )
 
     def close(self) -> None:
@@ -255,7 +260,11 @@ class NodeStream:
         if delta.logprobs is not None and len(delta.logprobs) != len(delta.token_ids):
             raise BackendError.failed(f"node {self.url} sent logprobs that miss tokens")
         return TokenChunk(
-            delta.token_ids, delta.finish_reason, delta.num_cached_tokens, delta.logprobs
+            delta.token_ids,
+            delta.finish_reason,
+            delta.num_cached_tokens,
+            delta.logprobs,
+            delta.prompt_logprobs,
         )
 
 

@@ -561,7 +561,13 @@ def _unreachable(
 
 def _first_chunk(result: PrefillResult) -> TokenChunk:
     lps = None if result.first_logprobs is None else [result.first_logprobs]
-    return TokenChunk([result.first_token_id], result.finish_reason, result.num_cached_tokens, lps)
+    return TokenChunk(
+        [result.first_token_id],
+        result.finish_reason,
+        result.num_cached_tokens,
+        lps,
+        result.prompt_logprobs,
+    )
 
 
 def continuation(req: GenerationRequest, emitted: list[int], n: int) -> GenerationRequest:
@@ -573,6 +579,7 @@ def continuation(req: GenerationRequest, emitted: list[int], n: int) -> Generati
         update={
             "max_tokens": sp.max_tokens - len(emitted),
             "output_index_base": sp.output_index_base + len(emitted),
+            "prompt_logprobs": None,  # the client has them from the first attempt
         }
     )
     return GenerationRequest(

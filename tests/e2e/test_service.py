@@ -199,6 +199,41 @@ def test_logprobs_match_offline_streamed_and_not(
     cluster.wait_baseline()
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(
+    cluster: Cluster, tokenizer: Tokenizer, offline_completion: Callable
+) -> None:
+    """Issue 19: `echo` (what log-likelihood scoring sends: echo, logprobs, max_tokens 1),
+    streamed and not; the prompt's logprobs are computed by the node that prefills."""
+    client = _client(cluster)
+    model = _model(client)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(prompt)
+    want = offline_completion(
+        ids, SamplingParams(temperature=0, max_tokens=1, logprobs=2, prompt_logprobs=2)
+    )
+    text = lambda t: tokenizer.token_bytes(t).decode("utf-8", "replace")  # noqa: E731
+    completion = tokenizer.decode(want.token_ids)
+    kw = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True}
+    assert client.completions.create(**kw).choices[0].text == prompt + completion
+    full = client.completions.create(logprobs=2, **kw)
+    assert full.choices[0].text == prompt + completion
+    lp = full.choices[0].logprobs
+    assert lp is not None and lp.tokens == [text(t) for t in ids + want.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want_lps = [x.logprob for x in [*want.prompt_logprobs, *want.logprobs]]
+    assert lp.token_logprobs[1:] == pytest.approx(want_lps, abs=1e-4)
+    chunks = list(client.completions.create(logprobs=2, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt + completion
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    assert streamed == lp.tokens
+    cluster.wait_baseline()
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(
     cluster: Cluster, tokenizer: Tokenizer
 ) -> None:

@@ -35,4 +35,6 @@ def _chunk(out: StepOutput) -> TokenChunk:
     reason = out.finish_reason.value if out.finish_reason is not None else None
     if out.finished and reason is None:  # the engine thread died (AsyncEngine's sentinel)
         raise BackendError.failed("the engine stopped")
-    return TokenChunk(list(out.new_token_ids), reason, logprobs=out.logprobs)
+    return TokenChunk(
+        list(out.new_token_ids), reason, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs
+    )

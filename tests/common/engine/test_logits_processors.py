@@ -139,3 +139,26 @@ def test_sampling_params_bounds() -> None:
             SamplingParams(**bad)
     assert not SamplingParams().processed
     assert SamplingParams(logit_bias=((1, 0.5),)).processed
+
+
+def test_prompt_logprobs_survive_chunking_and_skip_the_prefix_cache(tiny_model_dir) -> None:
+    """Prompt logprobs computed in 16-token chunks equal those of one whole-prompt step,
+    and a prompt found in the prefix cache is computed again for them."""
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+
+    prompt = list(range(5, 90))
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    whole = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
+    chunked = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), num_blocks=64, max_num_batched_tokens=16)
+    )
+    (a,) = whole.generate([prompt], sp)
+    (b,) = chunked.generate([prompt], sp)
+    (again,) = chunked.generate([prompt], sp)  # the prompt's blocks are cached now
+    assert a.prompt_logprobs is not None and len(a.prompt_logprobs) == len(prompt) - 1
+    assert b.prompt_logprobs is not None and again.prompt_logprobs is not None
+    for x, y, z in zip(a.prompt_logprobs, b.prompt_logprobs, again.prompt_logprobs, strict=True):
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4) == z.logprob
+        assert [t for t, _ in x.top] == [t for t, _ in y.top] == [t for t, _ in z.top]
+    chunked.check_integrity()

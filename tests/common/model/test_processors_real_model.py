@@ -150,3 +150,19 @@ def test_logprobs_equal_transformers_log_softmax(
             assert v == pytest.approx(wv, abs=2e-3) and v == pytest.approx(float(want[t]), abs=2e-3)
         if sp.greedy:
             assert got_ids[0] == token == int(top_i[0])
+
+
+def test_prompt_logprobs_equal_transformers_log_softmax(
+    engine: LLMEngine, ref_model: Any, ref_tokenizer: Any
+) -> None:
+    """echo's prompt logprobs: the model's own log-softmax at every prompt position."""
+    ids = ref_tokenizer("The capital of France is Paris, and the capital of Italy is").input_ids
+    (done,) = engine.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    assert done.prompt_logprobs is not None and len(done.prompt_logprobs) == len(ids) - 1
+    with torch.inference_mode():
+        want = torch.log_softmax(ref_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for pos, lp in enumerate(done.prompt_logprobs):
+        assert lp.logprob == pytest.approx(float(want[pos, ids[pos + 1]]), abs=2e-3), pos
+        top_v, top_i = want[pos].topk(2)
+        assert [t for t, _ in lp.top] == top_i.tolist() or top_v[0] - top_v[1] < 1e-3
+        assert [v for _, v in lp.top] == pytest.approx(top_v.tolist(), abs=2e-3)

@@ -66,7 +66,7 @@ BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
-    ({"echo": True}, "echo"),
+    ({"echo": 1}, "echo"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -2.1}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),

@@ -210,3 +210,16 @@ def test_models_lists_the_model(client: OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].object == "model"
+
+
+def test_echo_with_logprobs_over_the_engine(
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine
+) -> None:
+    full = client.completions.create(
+        model=MODEL, prompt=TEXT_PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1
+    )
+    lp = full.choices[0].logprobs
+    ids = proxy.tokenizer.encode(TEXT_PROMPT)
+    assert full.choices[0].text.startswith(TEXT_PROMPT)
+    assert lp is not None and len(lp.tokens) == len(ids) + 2, lp
+    assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
