@@ -32,12 +32,14 @@ from common.engine.commands import (
 from common.engine.config import EngineConfig
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.device import resolve_device
+from common.engine.grammar import GrammarError, Grammars
 from common.engine.records import RequestRecord
 from common.engine.runner import ModelRunner
 from common.engine.scheduler import OutputKind, ScheduledBatch, Scheduler, StepOutput
 from common.engine.sequence import FinishReason, SeqStatus, Sequence
 from common.model.config import ModelConfig
 from common.model.weights import load_model
+from common.text.tokenizer import Tokenizer
 from common.wire.logprobs import TokenLogprobs
 from common.wire.sampling_params import SamplingParams
 from common.wire.stage import Stage
@@ -152,6 +154,7 @@ class LLMEngine:
         self._step_times: deque[float] = deque(maxlen=64)  # the last steps' forward seconds
         # Called on the engine thread after every step that ran a batch (node metrics).
         self.on_step: Callable[[StepTiming], None] | None = None
+        self._grammars: Grammars | None = None
         self._publish()
 
     # -- commands (any thread) -------------------------------------------------
@@ -175,6 +178,7 @@ class LLMEngine:
         """
         self.validate(prompt_token_ids, sampling)
         seq = self._new_seq(request_id, prompt_token_ids, sampling, hold_kv, stream_kv)
+        self._constrain(seq)
         self._inbox.append(AddRequest(seq, transfer))
 
     def _new_seq(
@@ -254,7 +258,28 @@ class LLMEngine:
         self._arrivals += 1
         seq = Sequence(request_id, [*prompt_token_ids, first_token_id], sampling, self._arrivals)
         seq.num_prompt_tokens = len(prompt_token_ids)
+        self._constrain(seq)  # the matcher rebuilt from the tokens sampled elsewhere
         self._inbox.append(AdmitLanded(seq))
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler for this model (made on first use)."""
+        if self._grammars is None:
+            tokenizer = Tokenizer.from_dir(self.config.model)
+            eos = self.model_config.eos_token_ids
+            self._grammars = Grammars(tokenizer, self.model_config.vocab_size, eos)
+        return self._grammars
+
+    def _constrain(self, seq: Sequence) -> None:
+        """Give a constrained sequence its matcher, fed its output so far; RequestError if
+        that output breaks the constraint."""
+        spec = seq.sampling.structured
+        if spec is None:
+            return
+        try:
+            seq.matcher = self.grammars.matcher_for(spec, seq.outputs_so_far)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def record(self, request_id: str) -> RequestRecord | None:
         """The request's record, if the engine holds it (a read; safe from any thread)."""
@@ -293,6 +318,11 @@ class LLMEngine:
             raise RequestError(
                 f"prompt + max_tokens needs {total} tokens of KV; this node holds {capacity}"
             )
+        if sampling.structured is not None:
+            try:
+                self.grammars.compile(sampling.structured)
+            except GrammarError as e:
+                raise RequestError(str(e)) from None
 
     def validate_prefilled(
         self,

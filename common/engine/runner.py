@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.cuda_graphs import DecodeGraphs
+from common.engine.grammar import apply_grammar
 from common.engine.logits_processors import apply_processors
 from common.engine.sampling import sample, token_logprobs, token_logprobs_rows
 from common.engine.scheduler import ScheduledBatch
@@ -155,6 +156,9 @@ class ModelRunner:
         started = time.perf_counter()
         seqs = x.sample_seqs
         params = [s.sampling for s in seqs]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            apply_grammar(logits, constrained, [seqs[i].matcher for i in constrained])
         if any(p.processed for p in params):
             histories = [s.token_ids for s in seqs]
             prompts = [s.num_prompt_tokens for s in seqs]

@@ -297,6 +297,8 @@ class Scheduler:
             lp = next(lps) if lps is not None else None
             token_lps = None if lp is None else [lp]
             seq.token_ids.append(token)
+            if seq.matcher is not None and not seq.matcher.is_terminated():
+                seq.matcher.accept_token(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
+from typing import Any
 
 from common.wire.fsm import Transitions
 from common.wire.logprobs import TokenLogprobs
@@ -79,6 +80,9 @@ class Sequence:
         # sampling.prompt_logprobs: those of prompt tokens 1.. so far (one per position
         # computed; a recompute after preemption does not add them again).
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # sampling.structured: the xgrammar GrammarMatcher of the output so far (set by the
+        # engine, fed each sampled token by the scheduler).
+        self.matcher: Any = None
         self.num_preemptions = 0
         # Prefill role: after the first token, keep the prompt's KV blocks (HELD)
         # for transfer instead of decoding on.
@@ -105,6 +109,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def outputs_so_far(self) -> list[int]:
+        """The output tokens, those a continued request carries in its prompt first
+        (`SamplingParams.output_index_base`)."""
+        start = max(0, self.num_prompt_tokens - self.sampling.output_index_base)
+        return self.token_ids[start:]
 
     @property
     def num_uncomputed(self) -> int:

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.wire.logprobs import MAX_TOP_LOGPROBS
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the output (xgrammar, common.engine.grammar): `json_object` any JSON
+    object; `json` the JSON schema in `spec` (JSON text; `strict`: no properties or items
+    beyond it); `regex`; `choice` one of the strings of the JSON list in `spec`; `grammar`
+    an EBNF grammar (xgrammar's dialect, root rule `root`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["json_object", "json", "regex", "choice", "grammar"]
+    spec: str = Field(default="", max_length=1 << 20)
+    strict: bool = True
 
 
 class SamplingParams(BaseModel):
@@ -31,6 +46,9 @@ class SamplingParams(BaseModel):
     # and this many most likely tokens' there, computed during prefill (None: none). Such a
     # request computes its whole prompt: it takes nothing from the prefix cache.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The output must match this (the prefill node constrains the first token, the decode
+    # node rebuilds the matcher from the tokens accepted so far).
+    structured: StructuredOutput | None = None
     # The output index of this request's first sampled token: nonzero when a request is
     # continued elsewhere (re-prefilled after a node failure), so seeded noise continues.
     output_index_base: int = Field(default=0, ge=0, lt=2**31)

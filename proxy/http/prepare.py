@@ -128,6 +128,7 @@ class RequestPreparer:
         self._check_ids(req.stop_token_ids, "stop_token_ids")
         bias = req.logit_bias_pairs
         self._check_ids([t for t, _ in bias], "logit_bias")
+        structured = req.structured_output
         max_tokens = self._max_tokens(req.requested_max_tokens, len(ids), prompt_param)
         if req.min_tokens > max_tokens:
             raise invalid_request(
@@ -149,6 +150,7 @@ class RequestPreparer:
                 min_tokens=req.min_tokens,
                 logit_bias=bias,
                 logprobs=req.num_logprobs,
+                structured=structured,
             )
         except ValidationError as e:  # our bounds are tighter; this is a safety net
             raise invalid_request(f"invalid sampling parameters: {e.errors()[0]['msg']}") from e

@@ -14,6 +14,7 @@ vLLM-style extensions.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, cast
 
 from pydantic import (
@@ -28,6 +29,7 @@ from pydantic import (
 )
 
 from common.wire.logprobs import MAX_TOP_LOGPROBS
+from common.wire.sampling_params import StructuredOutput
 from proxy.http.errors import ApiError, invalid_request
 
 MAX_STOP_STRINGS = 4
@@ -78,6 +80,12 @@ class GenerationParams(_Request):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # vLLM's constraints (at most one): a JSON schema, a regex, one of these strings, an EBNF
+    # grammar (xgrammar's dialect).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
     n: int = 1
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -147,6 +155,38 @@ class GenerationParams(_Request):
     def num_logprobs(self) -> int | None:
         """How many most likely tokens to report beside each sampled one (None: no logprobs)."""
         return None
+
+    @property
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint on the output, if the request sets one."""
+        return self._guided()
+
+    def _guided(self) -> StructuredOutput | None:
+        given = [
+            (name, value)
+            for name, value in (
+                ("guided_json", self.guided_json),
+                ("guided_regex", self.guided_regex),
+                ("guided_choice", self.guided_choice),
+                ("guided_grammar", self.guided_grammar),
+            )
+            if value is not None
+        ]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ApiError(
+                400, f"at most one constraint: got {', '.join(n for n, _ in given)}",
+                param=given[1][0],
+            )  # fmt: skip
+        name, value = given[0]
+        if name == "guided_json":
+            spec = value if isinstance(value, str) else json.dumps(value)
+            return StructuredOutput(kind="json", spec=spec, strict=False)
+        if name == "guided_choice":
+            return StructuredOutput(kind="choice", spec=json.dumps(value))
+        kind: Literal["regex", "grammar"] = "regex" if name == "guided_regex" else "grammar"
+        return StructuredOutput(kind=kind, spec=str(value))
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -241,14 +281,45 @@ class ChatCompletionRequest(GenerationParams):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v != {"type": "text"}:
-            kind = v.get("type")
-            raise ValueError(
-                f"response_format {kind!r} is not supported (only 'text'): the output would "
-                "not be constrained to it"
-            )
+    def _check_response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        kind = v.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError("type must be 'text', 'json_object' or 'json_schema'")
+        extra = set(v) - {"type", "json_schema"}
+        if extra or (kind != "json_schema" and "json_schema" in v):
+            raise ValueError(f"unexpected fields {sorted(extra) or ['json_schema']}")
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("json_schema must be an object whose 'schema' is an object")
+            unknown = set(spec) - {"name", "description", "schema", "strict"}
+            if unknown:
+                raise ValueError(f"json_schema: unexpected fields {sorted(unknown)}")
+            if not isinstance(spec.get("name", ""), str):
+                raise ValueError("json_schema.name must be a string")
+            if not isinstance(spec.get("strict", False), bool | None):
+                raise ValueError("json_schema.strict must be a boolean")
         return v
+
+    @property
+    def structured_output(self) -> StructuredOutput | None:
+        fmt = self.response_format
+        if fmt is not None and fmt["type"] != "text":
+            if self._guided() is not None:
+                raise ApiError(
+                    400, "response_format and a guided_* constraint exclude each other",
+                    param="response_format",
+                )  # fmt: skip
+            if fmt["type"] == "json_object":
+                return StructuredOutput(kind="json_object")
+            spec = fmt["json_schema"]
+            schema = spec.get("schema") or {"type": "object"}
+            return StructuredOutput(
+                kind="json", spec=json.dumps(schema), strict=bool(spec.get("strict"))
+            )
+        return self._guided()
 
     @field_validator("top_logprobs")
     @classmethod

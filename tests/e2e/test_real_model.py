@@ -7,6 +7,7 @@ are covered on the tiny model (test_service's 2P2D): five real-model nodes cost 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -116,3 +117,90 @@ def test_32_prompts_equal_offline(
         assert text == tok.decode([t for t in want if t not in special]), prompt
         assert n == len(want), prompt
     cluster.wait_baseline()
+
+
+NAME = {"type": "string", "maxLength": 24}  # bounds keep a 135M model's strings finite
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": NAME,
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "hobbies": {"type": "array", "items": NAME, "maxItems": 3},
+    },
+    "required": ["name", "age", "hobbies"],
+    "additionalProperties": False,
+}
+JSON_PROMPTS = [
+    "Describe a fictional person as JSON.",
+    "Give me a JSON record of a chess player.",
+    "Invent a pirate and return it as JSON.",
+    "A short JSON profile of a baker, please.",
+]
+
+
+def _valid_person(obj: object) -> bool:
+    """PERSON's constraints, written out (the schema is small)."""
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"name", "age", "hobbies"}
+        and isinstance(obj["name"], str)
+        and len(obj["name"]) <= 24
+        and isinstance(obj["age"], int)
+        and not isinstance(obj["age"], bool)
+        and 0 <= obj["age"] <= 120
+        and isinstance(obj["hobbies"], list)
+        and len(obj["hobbies"]) <= 3
+        and all(isinstance(h, str) and len(h) <= 24 for h in obj["hobbies"])
+    )
+
+
+@pytest.mark.parametrize("topology", ["1p1d", "colocated"])
+def test_structured_output_always_parses_and_validates(
+    topology: str, nodes: Cluster, proxies: dict[str, Server]
+) -> None:
+    """Issue 19: response_format json_schema (strict; sampled) and json_object (greedy, on
+    the prompts whose free-form JSON this 135M model closes within max_tokens) on the real
+    model, streamed and not: every output parses, and validates against the schema (the
+    first token is constrained on the prefill node, the rest on the decode node)."""
+    client = openai.OpenAI(
+        base_url=f"{proxies[topology].url}/v1", api_key="x", timeout=300, max_retries=0
+    )
+    schema = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    common = {"model": DEFAULT_MODEL, "max_tokens": 160}
+
+    def ask(job: tuple[int, str, dict, bool]) -> tuple[str, str | None]:
+        seed, prompt, fmt, stream = job
+        messages = [{"role": "user", "content": prompt}]
+        temperature = 0.8 if fmt is schema else 0.0
+        out = client.chat.completions.create(
+            messages=messages,
+            response_format=fmt,
+            seed=seed,
+            stream=stream,
+            temperature=temperature,
+            **common,
+        )
+        if stream:
+            chunks = list(out)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        return out.choices[0].message.content or "", out.choices[0].finish_reason
+
+    jobs = [
+        (seed, p, schema, stream) for seed, p in enumerate(JSON_PROMPTS) for stream in (False, True)
+    ]
+    jobs += [
+        (0, JSON_PROMPTS[i], {"type": "json_object"}, s) for i in (0, 3) for s in (False, True)
+    ]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(ask, jobs))
+    for (_, prompt, fmt, _), (text, reason) in zip(jobs, answers, strict=True):
+        assert reason == "stop", (prompt, text)
+        obj = json.loads(text)
+        assert isinstance(obj, dict), text
+        if fmt is schema:
+            assert _valid_person(obj), text
+    nodes.wait_baseline()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -231,6 +232,56 @@ def test_echo_returns_the_prompt_and_its_logprobs(
         for t in c.choices[0].logprobs.tokens
     ]
     assert streamed == lp.tokens
+    cluster.wait_baseline()
+
+
+def test_structured_output_constrains_every_token(cluster: Cluster) -> None:
+    """Issue 19: guided_choice, guided_regex and response_format json_schema on the tiny
+    model (sampled: its free text is noise, so only the constraint can make it conform),
+    streamed and not; a constraint that does not compile is a 400."""
+    client = _client(cluster)
+    model = _model(client)
+    messages = [{"role": "user", "content": "Pick one."}]
+    common = {"model": model, "max_tokens": 40, "temperature": 1.0, "messages": messages}
+
+    def ask(stream: bool, seed: int, **kw: object) -> tuple[str, str | None]:
+        out = client.chat.completions.create(stream=stream, seed=seed, **common, **kw)  # type: ignore[call-overload]
+        if stream:
+            chunks = [c for c in out if c.choices]
+            return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[
+                0
+            ].finish_reason
+        return out.choices[0].message.content or "", out.choices[0].finish_reason
+
+    choices = ["alpha", "beta", "gamma delta"]
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}
+    for seed in range(3):
+        for stream in (False, True):
+            text, reason = ask(stream, seed, extra_body={"guided_choice": choices})
+            assert text in choices and reason == "stop", text
+            text, reason = ask(stream, seed, extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+            assert re.fullmatch("[0-9]{3}-[a-z]{2}", text) and reason == "stop", text
+            text, reason = ask(stream, seed, response_format=fmt)
+            obj = json.loads(text)
+            assert set(obj) == {"color", "ok"} and obj["color"] in ("red", "green"), text
+            assert isinstance(obj["ok"], bool) and reason == "stop"
+    for bad in (
+        {"extra_body": {"guided_regex": "a(b"}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+            }
+        },
+    ):
+        with pytest.raises(openai.BadRequestError, match="does not compile"):
+            client.chat.completions.create(**common, **bad)  # type: ignore[call-overload]
     cluster.wait_baseline()
 
 

@@ -108,8 +108,16 @@ BAD_CHAT: list[tuple[dict[str, Any], str]] = [
     ({"n": 3}, "n"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+        "response_format",
+    ),
+    ({"response_format": {"type": "json_object", "x": 1}}, "response_format"),
+    ({"guided_regex": "a", "guided_choice": ["x"]}, "guided_choice"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
 ]
@@ -127,7 +135,7 @@ def test_bad_chat_fields(proxy: ProxyHarness, fields: dict[str, Any], param: str
     ("fields", "param"),
     [
         ({"best_of_n": 2}, "best_of_n"),
-        ({"guided_json": {}}, "guided_json"),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
         ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
     ],
 )
