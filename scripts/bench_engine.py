@@ -19,6 +19,12 @@ median over --repeats runs.
                 the sampler's cost (softmax, nucleus, draw) on top of the forward.
     prefill N   one N-token prompt, one output token: N / wall time of the whole call.
 
+--overhead B,B,... instead times pdserve alone, sampled (T=0.8, top-p 0.95), at each batch
+size three ways, alternating: plain, with logprobs (5 most likely tokens a step), and
+with structured output (a regex that stays open for the whole output, so every step
+fills and applies a grammar bitmask): decode tokens/s, and each one's cost per decode
+step over plain.
+
 The engine runs with the serving defaults (`pdserve up`'s engine flags, which this
 script accepts), so a long prompt is prefilled in chunks of
 --max-num-batched-tokens as a server would. Prints a markdown table; --json
@@ -42,7 +48,7 @@ import torch
 from common.cli.engine_args import add_engine_args, engine_config
 from common.engine.engine import LLMEngine
 from common.engine.scheduler import StepOutput
-from common.wire.sampling_params import SamplingParams
+from common.wire.sampling_params import SamplingParams, StructuredOutput
 
 TEMPERATURE = 0.8
 TOP_P = 0.95
@@ -94,10 +100,14 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int
 
 
 def pdserve_run(
-    engine: LLMEngine, prompts: list[list[int]], output_len: int, sampled: bool = False
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    output_len: int,
+    sampled: bool = False,
+    **extra: Any,
 ) -> Run:
     how = {"temperature": TEMPERATURE, "top_p": TOP_P} if sampled else {"temperature": 0.0}
-    sp = SamplingParams(max_tokens=output_len, ignore_eos=True, **how)
+    sp = SamplingParams(max_tokens=output_len, ignore_eos=True, **how, **extra)
     got: dict[str, int] = {}
     first: list[float] = []  # when the last request got its first token
     tokens_at_first = [0]
@@ -172,6 +182,43 @@ def alternate(repeats: int, *sides: tuple[str, Callable[[], float]]) -> dict[str
     return runs
 
 
+# Open for any 64-token output (no stop allowed before 300 characters).
+OPEN_REGEX = StructuredOutput(kind="regex", spec="[a-z ,.]{300,}")
+OVERHEAD_MODES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "logprobs": {"logprobs": 5},
+    "structured": {"structured": OPEN_REGEX},
+}
+
+
+def overhead(engine: LLMEngine, batches: list[int], args: argparse.Namespace) -> list[dict]:
+    """Decode tokens/s per mode and batch, and the cost per step over plain."""
+    vocab = engine.model_config.vocab_size
+    out = []
+    for b in batches:
+        prompts = prompts_for(b, args.prompt_len, vocab, b)
+
+        def timed(kw: dict[str, Any], prompts: list[list[int]] = prompts) -> float:
+            return pdserve_run(engine, prompts, args.output_len, True, **kw).decode_tok_s
+
+        sides = [(mode, lambda kw=kw: timed(kw)) for mode, kw in OVERHEAD_MODES.items()]
+        runs = alternate(args.repeats, *sides)
+        tok_s = {m: statistics.median(v) for m, v in runs.items()}
+        step_ms = {m: 1000 * b / t for m, t in tok_s.items()}  # one token per row a step
+        row = {"batch": b, "tok_s": tok_s, "step_ms": step_ms, "runs": runs}
+        out.append(row)
+        print(f"  batch {b}: {runs}", flush=True)
+    print("\n| batch | mode | decode tok/s | ms / step | over plain |")
+    print("|---:|---|---:|---:|---:|")
+    for row in out:
+        plain = row["step_ms"]["plain"]
+        for mode in OVERHEAD_MODES:
+            ms = row["step_ms"][mode]
+            over = "" if mode == "plain" else f"{100 * (ms - plain) / plain:+.1f}%"
+            print(f"| {row['batch']} | {mode} | {row['tok_s'][mode]:.1f} | {ms:.1f} | {over} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_engine_args(ap)
@@ -182,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true", help="time pdserve alone")
+    ap.add_argument(
+        "--overhead", default="", help="batches: logprobs / structured-output cost per step"
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.set_defaults(threads=2)
     args = ap.parse_args(argv)
@@ -189,6 +239,14 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = engine_config(args)
     engine = LLMEngine(cfg)
+    if args.overhead:
+        torch.set_num_threads(args.threads)
+        rows_ = overhead(engine, [int(b) for b in args.overhead.split(",")], args)
+        engine.check_integrity()
+        if args.json is not None:
+            head_ = {"model": cfg.model, "dtype": str(engine.dtype), "threads": args.threads}
+            args.json.write_text(json.dumps(head_ | {"overhead": rows_}, indent=2) + "\n")
+        return
     hf = None if args.no_transformers else HFRunner(cfg.model, engine.dtype)
     vocab = engine.model_config.vocab_size
     torch.set_num_threads(args.threads)  # one setting for both sides

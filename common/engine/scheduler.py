@@ -368,6 +368,8 @@ class Scheduler:
         sp = seq.sampling
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return FinishReason.STOP  # the constraint is complete: nothing more may follow
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

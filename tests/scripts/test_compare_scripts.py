@@ -327,6 +327,22 @@ def test_bench_engine_times_both_engines_on_every_row(tmp_path: Path, tiny_model
         assert r["pdserve_tok_s"] > 0 and r["transformers_tok_s"] > 0
 
 
+def test_bench_engine_overhead_times_every_mode(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = ["--model", str(tiny_model_dir), "--overhead", "1,2", "--prompt-len", "8"]
+    argv += ["--output-len", "6", "--repeats", "1", "--threads", "1", "--json", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        _script("bench_engine").main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(out.read_text())["overhead"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert set(r["tok_s"]) == {"plain", "logprobs", "structured"}
+        assert all(v > 0 for v in r["tok_s"].values())
+
+
 def test_compare_routing_report_has_every_deployment_and_the_cache_ratio() -> None:
     cr = _script("compare_routing")
     args = cr.build_parser().parse_args(["--num-requests", "5"])
