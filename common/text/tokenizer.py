@@ -151,9 +151,13 @@ class Tokenizer:
     # -- chat ---------------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` (dicts with "role" and "content") into the prompt text.
+        """Render ``messages`` (dicts with "role" and "content") into the prompt text;
+        ``tools`` (OpenAI tool definitions) go to the template as transformers passes them.
 
         Keys whose value is None are dropped first, as transformers does.  Raises
         ChatTemplateError when the model has no template or the template rejects the input.
@@ -164,7 +168,7 @@ class Tokenizer:
             return template.render(
                 messages=plain,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=list(tools) if tools is not None else None,
                 documents=None,
                 **self._special_tokens,
             )

@@ -32,6 +32,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     echo: str | None = None  # completions `echo`: the prompt's text, returned before the output
+    tool_call: str | None = None  # chat: the output is tool calls ("required", or a name)
 
     @property
     def request_id(self) -> str:
@@ -72,12 +73,22 @@ class RequestPreparer:
     async def chat(self, request_id: str, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_model(req.model)
         messages = [m.template_dict() for m in req.messages]
+        mode = req.tool_mode
+        if mode == "auto":
+            raise invalid_request(
+                "tool_choice 'auto' (the default when tools are given) needs a chat template "
+                "with a tool-call format to parse the model's calls from, and this model's has "
+                "none: use tool_choice 'required' or name a function",
+                param="tool_choice",
+            )
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, True, tools)
         except ChatTemplateError as e:
             raise invalid_request(str(e), param="messages") from e
         ids = await _tokenize(text, self._encode_chat_text, "messages")
-        return self._finish(request_id, req, ids, "messages")
+        prep = self._finish(request_id, req, ids, "messages")
+        return replace(prep, tool_call=mode) if mode is not None else prep
 
     # -- checks ------------------------------------------------------------------------------
 

@@ -243,21 +243,76 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as the chat template sees it: text parts joined by newlines."""
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(
+        cls, v: list[ToolCall] | None, info: ValidationInfo
+    ) -> list[ToolCall] | None:
+        if v is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_is_the_tools(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("role") != "tool":
+            raise ValueError("only a tool message has a tool_call_id")
+        return v
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined by newlines; an
+        assistant's tool calls and a tool message's call id as transformers passes them."""
         if isinstance(self.content, list):
             text = "\n".join(p.text for p in self.content)
         else:
             text = self.content or ""
-        out = {"role": self.role, "content": text}
+        out: dict[str, Any] = {"role": self.role, "content": text}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+class FunctionSpec(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationParams):
@@ -267,16 +322,33 @@ class ChatCompletionRequest(GenerationParams):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # advisory while tools are refused
+    tools: list[Tool] | None = Field(default=None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # "required" allows several calls either way
     response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError("function names must be unique")
+        return v
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if v not in (None, "none"):
-            raise ValueError("tools are not supported; tool_choice may only be 'none'")
+    def _check_tool_choice(
+        cls, v: str | NamedToolChoice | None, info: ValidationInfo
+    ) -> str | NamedToolChoice | None:
+        tools = info.data.get("tools")
+        if tools is None:
+            if v not in (None, "none"):
+                raise ValueError("tool_choice needs tools")
+            return v
+        if isinstance(v, NamedToolChoice) and v.function.name not in {
+            t.function.name for t in tools
+        }:
+            raise ValueError(f"names {v.function.name!r}, which is not one of the tools")
         return v
 
     @field_validator("response_format")
@@ -304,7 +376,55 @@ class ChatCompletionRequest(GenerationParams):
         return v
 
     @property
+    def tool_mode(self) -> str | None:
+        """How the output is a tool call: "required" (one or more, any of the tools), a
+        function's name (tool_choice names it), or None (text; "auto" is the preparer's)."""
+        choice = self.tool_choice
+        if self.tools is None or choice in (None, "none"):
+            return None if self.tools is None or choice == "none" else "auto"
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return choice
+
+    def tool_schema(self) -> StructuredOutput:
+        """The constraint that makes the output the tool call(s) (tool_mode not None):
+        a named function's arguments, or for "required" a JSON array of
+        {"name", "parameters"} objects, one of the tools each (vLLM's shape)."""
+        assert self.tools is not None
+        specs = {t.function.name: t.function for t in self.tools}
+        none: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+        mode = self.tool_mode
+        if mode != "required":
+            assert mode is not None
+            fn = specs[mode]
+            schema = fn.parameters or none
+            return StructuredOutput(kind="json", spec=json.dumps(schema), strict=bool(fn.strict))
+        items = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"enum": [name]},
+                    "parameters": fn.parameters or none,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, fn in specs.items()
+        ]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if self.parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return StructuredOutput(kind="json", spec=json.dumps(array), strict=False)
+
+    @property
     def structured_output(self) -> StructuredOutput | None:
+        if self.tool_mode not in (None, "auto"):
+            if self.response_format not in (None, {"type": "text"}) or self._guided():
+                raise ApiError(
+                    400, "tool calls and response_format/guided_* exclude each other",
+                    param="tool_choice",
+                )  # fmt: skip
+            return self.tool_schema()
         fmt = self.response_format
         if fmt is not None and fmt["type"] != "text":
             if self._guided() is not None:
@@ -326,13 +446,6 @@ class ChatCompletionRequest(GenerationParams):
     def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs is only allowed when logprobs is true")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tools are not supported")
         return v
 
     @property
@@ -431,9 +544,53 @@ class CompletionResponse(_Response):
     usage: Usage | None = None
 
 
+class ResponseFunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(_Response):
+    """Serialized without `tool_calls` when it made none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class FunctionDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(_Response):
+    """A streamed tool call: the first delta of a call has its id, type and name, later
+    ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class TopLogprob(_Response):
@@ -475,6 +632,7 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

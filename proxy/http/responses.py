@@ -8,6 +8,7 @@ that finishes carries `finish_reason`; with `stream_options.include_usage` every
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,7 +27,11 @@ from proxy.http.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionDelta,
     PromptTokensDetails,
+    ResponseFunctionCall,
+    ResponseToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
@@ -100,6 +105,9 @@ class ResponseMeta:
     include_usage: bool = False
     # A token's bytes in decoded text (Tokenizer.token_bytes), to render logprobs.
     token_bytes: Callable[[int], bytes] = lambda _: b""
+    # Chat: the output is tool calls, "required" (a JSON array of {"name", "parameters"})
+    # or a function's name (the output is its arguments); None: text.
+    tool_call: str | None = None
 
 
 class TokenText:
@@ -199,13 +207,28 @@ class ChatFormat:
         self.meta = meta
         self._text = TextEvents(self._delta_chunk)
         self._tokens = TokenText(meta.token_bytes)
+        self._calls = ToolCalls(meta.tool_call) if meta.tool_call is not None else None
 
     def stream_start(self) -> list[bytes]:
         first = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
         return [self._chunk([first], None)]
 
     def stream_delta(self, delta: TextDelta) -> bytes | None:
+        if self._calls is not None:
+            return self._tool_delta(delta, self._calls)
         return self._text.stream_delta(delta)
+
+    def _tool_delta(self, delta: TextDelta, calls: ToolCalls) -> bytes | None:
+        """A named call streams its arguments as they come; "required" calls go out whole
+        once the output is complete (their JSON array has to be parsed first)."""
+        message = calls.stream(delta.text, delta.finish_reason)
+        if message is None and delta.finish_reason is None:
+            return None
+        reason = calls.finish_reason(delta.finish_reason)
+        choice = ChatStreamChoice(
+            delta=message or DeltaMessage(), logprobs=self._logprobs(delta), finish_reason=reason
+        )
+        return self._chunk([choice], None)
 
     def _delta_chunk(self, delta: TextDelta) -> bytes:
         content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
@@ -219,11 +242,11 @@ class ChatFormat:
 
     def response(self, whole: TextDelta, usage: Usage) -> dict[str, Any]:
         m = self.meta
-        choice = ChatChoice(
-            message=AssistantMessage(content=whole.text),
-            logprobs=self._logprobs(whole),
-            finish_reason=whole.finish_reason,
-        )
+        message, reason = AssistantMessage(content=whole.text), whole.finish_reason
+        if self._calls is not None:
+            message = self._calls.message(whole.text, reason)
+            reason = self._calls.finish_reason(reason)
+        choice = ChatChoice(message=message, logprobs=self._logprobs(whole), finish_reason=reason)
         body = ChatCompletionResponse(
             id=m.request_id, created=m.created, model=m.model, choices=[choice], usage=usage
         )
@@ -257,3 +280,84 @@ class ChatFormat:
         )
         exclude = None if m.include_usage else {"usage"}
         return sse_event(chunk.model_dump_json(exclude=exclude))
+
+
+class ToolCalls:
+    """The model's output read as tool calls (`ResponseMeta.tool_call`). The output was
+    constrained to the tools' schemas (`ChatCompletionRequest.tool_schema`); one cut short
+    by max_tokens stays text, with finish_reason "length"."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode  # "required" or the named function
+        self._buffer = ""  # "required": the output so far
+        self._started = False  # named: the call's first delta went out
+        self._ids: list[str] = []
+
+    def _id(self, i: int) -> str:
+        while len(self._ids) <= i:
+            self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        return self._ids[i]
+
+    def calls(self, text: str) -> list[tuple[str, str]] | None:
+        """(name, arguments) of each call in a complete output; None if it is not one."""
+        if self.mode != "required":
+            return [(self.mode, text)]
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(parsed, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed
+        ):
+            return None
+        return [(c["name"], json.dumps(c.get("parameters", {}))) for c in parsed]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" for calls the model chose, "stop" for a named one."""
+        if reason == "stop" and self.mode == "required":
+            return "tool_calls"
+        return reason
+
+    def message(self, text: str, reason: str | None) -> AssistantMessage:
+        # A named call is its arguments, cut short or not (OpenAI's "length" case);
+        # "required" calls are read from a complete JSON array only.
+        calls = self.calls(text) if reason == "stop" or self.mode != "required" else None
+        if calls is None:
+            return AssistantMessage(content=text)
+        return AssistantMessage(
+            content=None,
+            tool_calls=[
+                ResponseToolCall(id=self._id(i), function=ResponseFunctionCall(name=n, arguments=a))
+                for i, (n, a) in enumerate(calls)
+            ],
+        )
+
+    def stream(self, text: str, reason: str | None) -> DeltaMessage | None:
+        """The delta for the next piece of output (None: nothing to send yet)."""
+        if self.mode != "required":
+            if not text and self._started:
+                return None
+            first, self._started = not self._started, True
+            fn = FunctionDelta(name=self.mode if first else None, arguments=text)
+            call = ToolCallDelta(
+                index=0, id=self._id(0) if first else None, type="function" if first else None,
+                function=fn,
+            )  # fmt: skip
+            return DeltaMessage(tool_calls=[call])
+        self._buffer += text
+        if reason is None:
+            return None
+        calls = self.calls(self._buffer) if reason == "stop" else None
+        if calls is None:
+            return DeltaMessage(content=self._buffer) if self._buffer else None
+        return DeltaMessage(
+            tool_calls=[
+                ToolCallDelta(
+                    index=i,
+                    id=self._id(i),
+                    type="function",
+                    function=FunctionDelta(name=n, arguments=a),
+                )  # fmt: skip
+                for i, (n, a) in enumerate(calls)
+            ]
+        )

@@ -157,7 +157,7 @@ class ProxyServer:
             self.hooks.on_prepared(rid, prep)
             meta = ResponseMeta(
                 rid, self.model_name, int(time.time()), prep.include_usage,
-                self.tokenizer.token_bytes,
+                self.tokenizer.token_bytes, prep.tool_call,
             )  # fmt: skip
             return await self._run(request, prep, fmt_cls(meta), events)
         except ApiError as e:

@@ -285,6 +285,94 @@ def test_structured_output_constrains_every_token(cluster: Cluster) -> None:
     cluster.wait_baseline()
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}},
+            "required": ["city", "celsius"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": None}}
+
+
+def test_tool_calls_streamed_and_not(cluster: Cluster) -> None:
+    """Issue 19: tools with tool_choice "required" and a named function, constrained to the
+    tools' schemas, returned as tool_calls (streamed as deltas); "auto" is a clear 400 for
+    a chat template without a tool-call format; a conversation carrying the calls and the
+    tool's answer goes on."""
+    client = _client(cluster)
+    model = _model(client)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    common = {"model": model, "max_tokens": 60, "temperature": 1.0, "messages": messages}
+    tools = [WEATHER, TIME]
+
+    def streamed(**kw: object) -> tuple[list[tuple[str, str]], str | None]:
+        calls: dict[int, list[str]] = {}
+        reason = None
+        for chunk in client.chat.completions.create(stream=True, **common, **kw):  # type: ignore[call-overload]
+            if not chunk.choices:
+                continue
+            reason = chunk.choices[0].finish_reason or reason
+            for d in chunk.choices[0].delta.tool_calls or []:
+                name_args = calls.setdefault(d.index, ["", ""])
+                if d.function.name:
+                    assert d.id and d.type == "function" and not name_args[0]
+                    name_args[0] = d.function.name
+                name_args[1] += d.function.arguments or ""
+        return [(n, a) for n, a in (calls[i] for i in sorted(calls))], reason
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    required_checked = 0
+    for seed in range(4):
+        full = client.chat.completions.create(tools=tools, tool_choice=named, seed=seed, **common)
+        msg = full.choices[0].message
+        assert full.choices[0].finish_reason == "stop" and msg.content is None
+        assert msg.tool_calls is not None and len(msg.tool_calls) == 1
+        call = msg.tool_calls[0]
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        assert args["city"] in ("Paris", "Oslo") and isinstance(args["celsius"], bool)
+        assert streamed(tools=tools, tool_choice=named, seed=seed) == (
+            [("get_weather", call.function.arguments)],
+            "stop",
+        )
+        one = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False}
+        full = client.chat.completions.create(seed=seed, **one, **common)
+        calls = full.choices[0].message.tool_calls
+        if full.choices[0].finish_reason == "length":  # the tiny model may list many calls
+            continue
+        assert full.choices[0].finish_reason == "tool_calls" and calls
+        assert all(c.function.name in ("get_weather", "get_time") for c in calls)
+        for c in calls:
+            json.loads(c.function.arguments)
+        got, reason = streamed(seed=seed, **one)
+        assert reason == "tool_calls"
+        assert got == [(c.function.name, c.function.arguments) for c in calls]
+        required_checked += 1
+    assert required_checked, "every 'required' answer ran out of tokens"
+    with pytest.raises(openai.BadRequestError, match="tool-call format"):
+        client.chat.completions.create(tools=tools, **common)
+    turn = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "celsius": true}'},
+        }]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]  # fmt: skip
+    again = client.chat.completions.create(
+        **{**common, "messages": turn}, tools=tools, tool_choice="none"
+    )
+    assert again.choices[0].message.tool_calls is None
+    cluster.wait_baseline()
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(
     cluster: Cluster, tokenizer: Tokenizer
 ) -> None:

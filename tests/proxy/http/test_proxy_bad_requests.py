@@ -96,6 +96,7 @@ def test_bad_completion_fields(proxy: ProxyHarness, fields: dict[str, Any], para
     assert_error(post(proxy, COMPLETIONS, {**OK_COMPLETION, **fields}), 400, param)
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD_CHAT: list[tuple[dict[str, Any], str]] = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
@@ -108,6 +109,17 @@ BAD_CHAT: list[tuple[dict[str, Any], str]] = [
     ({"n": 3}, "n"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    (
+        {"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        "tool_choice",
+    ),
+    ({"tools": [_TOOL, _TOOL], "tool_choice": "required"}, "tools"),
+    ({"tools": [_TOOL]}, "tool_choice"),  # "auto": this template has no tool-call format
+    ({"tools": [_TOOL], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    (
+        {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+        "messages[0].tool_call_id",
+    ),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     (
