@@ -8,10 +8,13 @@ path: finish, stop string, error, client disconnect, handler cancellation.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import replace
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -25,6 +28,7 @@ from proxy.http.responses import SSE_DONE, ApiFormat, make_usage, sse_error
 from proxy.http.text_stream import TextDelta, TextStream
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Generation:
@@ -106,8 +110,9 @@ class Generation:
         self.events.finished(self.text.finish_reason, usage.prompt_tokens, usage.completion_tokens)
 
 
-async def collect(gen: Generation, fmt: ApiFormat) -> dict[str, object]:
-    """Run `gen` to its end; the whole response body."""
+async def collect(gen: Generation, fmt: ApiFormat, report: bool = True) -> dict[str, object]:
+    """Run `gen` to its end; the whole response body (`report`: tell the hooks it finished;
+    a batch reports once, for all its choices)."""
     parts: list[str] = []
     whole = TextDelta("")  # every delta's tokens and logprobs, in order
     while True:
@@ -116,7 +121,8 @@ async def collect(gen: Generation, fmt: ApiFormat) -> dict[str, object]:
         whole = replace(delta, text="", finish_reason=None).after(whole)
         if delta.finish_reason is not None:
             break
-    gen.report_finished()
+    if report:
+        gen.report_finished()
     whole = replace(whole, text="".join(parts), finish_reason=delta.finish_reason)
     return fmt.response(whole, gen.usage())
 
@@ -161,3 +167,91 @@ async def _write_events(
         await resp.write(fmt.stream_usage(gen.usage()))
     await resp.write(SSE_DONE)
     gen.report_finished()
+
+
+# -- several choices in one response (a batch of prompts) --------------------------------------
+
+
+async def run_all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Await `coros` concurrently; on the first failure cancel the rest (and wait for them,
+    so that nothing still reads a stream the caller is about to close), then raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(gens: list[Generation]) -> Usage:
+    """The usage of every choice together (each prompt and its completion)."""
+    return make_usage(
+        sum(g.prep.num_prompt_tokens for g in gens),
+        sum(g.text.completion_tokens for g in gens),
+        sum(g.text.cached_tokens for g in gens),
+    )
+
+
+async def write_streams(
+    resp: web.StreamResponse, gens: list[Generation], firsts: list[TextDelta], fmts: list[ApiFormat]
+) -> None:
+    """`write_stream` for several choices: each choice's events as they come, interleaved
+    (each carries its choice's index); the usage chunk, for all of them, once every choice
+    finished; then `[DONE]`. The first failure ends the whole stream with its error."""
+    queue: asyncio.Queue[tuple[int, TextDelta] | BaseException] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        delta = firsts[i]
+        try:
+            while True:
+                await queue.put((i, delta))
+                if delta.finish_reason is not None:
+                    return
+                delta = await gens[i].next_text()
+        except Exception as e:  # ApiError, a bug: the writer ends the stream with it
+            await queue.put(e)
+
+    events = gens[0].events
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(gens))]
+    try:
+        for fmt in fmts:
+            for start in fmt.stream_start():
+                await resp.write(start)
+        left = len(gens)
+        while left:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            i, delta = item
+            event = fmts[i].stream_delta(delta)
+            if event is not None:
+                await resp.write(event)
+                events.relayed(time.monotonic() - gens[i].arrived)
+            left -= delta.finish_reason is not None
+        usage = total_usage(gens)
+        if gens[0].prep.include_usage:
+            await resp.write(fmts[0].stream_usage(usage))
+        await resp.write(SSE_DONE)
+        events.finished(
+            gens[0].text.finish_reason or "stop", usage.prompt_tokens, usage.completion_tokens
+        )
+    except ConnectionError:
+        log.debug("%s: client disconnected mid-stream", gens[0].request_id)
+        events.cancelled("disconnect")
+    except ApiError as e:
+        await _end_with(resp, events, e)
+    except Exception:
+        log.exception("%s: stream failed", gens[0].request_id)
+        await _end_with(resp, events, internal_error())
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _end_with(resp: web.StreamResponse, events: RequestEvents, error: ApiError) -> None:
+    events.error(error, True)
+    with contextlib.suppress(ConnectionError):
+        await resp.write(sse_error(error))
+        await resp.write(SSE_DONE)

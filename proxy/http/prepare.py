@@ -32,6 +32,8 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     echo: str | None = None  # completions `echo`: the prompt's text, returned before the output
+    # A batch of prompts: the other prompts' requests, choices 1.. (this one is choice 0).
+    also: tuple[PreparedRequest, ...] = ()
     tool_call: str | None = None  # chat: the output is tool calls ("required", or a name)
 
     @property
@@ -55,12 +57,22 @@ class RequestPreparer:
         self._vocab_size = tokenizer.vocab_size
 
     async def completion(self, request_id: str, req: CompletionRequest) -> PreparedRequest:
+        """One prepared request per prompt; a batch's others are in `also` (their request ids
+        are `request_id` + "-<choice>")."""
         self._check_model(req.model)
-        prompt = req.one_prompt
+        preps = []
+        for i, prompt in enumerate(req.prompts):
+            rid = request_id if i == 0 else f"{request_id}-{i}"
+            preps.append(await self._one_completion(rid, req, prompt))
+        return replace(preps[0], also=tuple(preps[1:])) if len(preps) > 1 else preps[0]
+
+    async def _one_completion(
+        self, request_id: str, req: CompletionRequest, prompt: str | list[int]
+    ) -> PreparedRequest:
         if isinstance(prompt, str):
             ids = await _tokenize(prompt, self.tokenizer.encode, "prompt")
         else:
-            ids = [int(t) for t in prompt]  # token ids: validation unwrapped [[ids]]
+            ids = [int(t) for t in prompt]  # token ids
             self._check_ids(ids, "prompt")
         prep = self._finish(request_id, req, ids, "prompt")
         if not req.echo:

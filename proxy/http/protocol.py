@@ -33,6 +33,7 @@ from common.wire.sampling_params import StructuredOutput
 from proxy.http.errors import ApiError, invalid_request
 
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 256  # prompts in one completions request (a choice each)
 _UNION_TAG_CHARS = frozenset("[]()-")
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
@@ -204,12 +205,12 @@ class CompletionRequest(GenerationParams):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError("exactly one prompt per request is supported")
-            v = v[0]
-        if len(v) == 0:
+    def _check_prompts(cls, v: Any) -> Any:
+        batch = isinstance(v, list) and v and isinstance(v[0], str | list)
+        prompts = v if batch else [v]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request are supported")
+        if any(len(p) == 0 for p in prompts) or len(v) == 0:
             raise ValueError("the prompt is empty")
         return v
 
@@ -218,10 +219,12 @@ class CompletionRequest(GenerationParams):
         return self.logprobs
 
     @property
-    def one_prompt(self) -> str | list[int]:
-        """The prompt as `_one_prompt` left it: text or token ids, never a list of prompts.
-        (The field's declared type is what may be sent, which mypy cannot see narrowed.)"""
-        return cast("str | list[int]", self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: one choice each (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return cast("list[str | list[int]]", list(p))
+        return [cast("str | list[int]", p)]
 
     @field_validator("suffix")
     @classmethod

@@ -125,7 +125,9 @@ class TokenText:
 
 
 class ApiFormat(Protocol):
-    """Formats one request's output as its endpoint does."""
+    """Formats one choice of a request's output as its endpoint does."""
+
+    index: int
 
     def stream_start(self) -> list[bytes]: ...
 
@@ -139,8 +141,9 @@ class ApiFormat(Protocol):
 class CompletionFormat:
     """`/v1/completions` bodies (`text_completion` objects)."""
 
-    def __init__(self, meta: ResponseMeta) -> None:
+    def __init__(self, meta: ResponseMeta, index: int = 0) -> None:
         self.meta = meta
+        self.index = index  # the choice this format renders
         self._text = TextEvents(self._delta_chunk)
         self._tokens = TokenText(meta.token_bytes)
         self._offset = 0  # text_offset of the next token
@@ -153,7 +156,10 @@ class CompletionFormat:
 
     def _delta_chunk(self, delta: TextDelta) -> bytes:
         choice = CompletionChoice(
-            text=delta.text, logprobs=self._logprobs(delta), finish_reason=delta.finish_reason
+            index=self.index,
+            text=delta.text,
+            logprobs=self._logprobs(delta),
+            finish_reason=delta.finish_reason,
         )
         return self._chunk([choice], None)
 
@@ -162,7 +168,10 @@ class CompletionFormat:
 
     def response(self, whole: TextDelta, usage: Usage) -> dict[str, Any]:
         choice = CompletionChoice(
-            text=whole.text, logprobs=self._logprobs(whole), finish_reason=whole.finish_reason
+            index=self.index,
+            text=whole.text,
+            logprobs=self._logprobs(whole),
+            finish_reason=whole.finish_reason,
         )
         return self._body([choice], usage).model_dump(mode="json")
 
@@ -203,14 +212,15 @@ class CompletionFormat:
 class ChatFormat:
     """`/v1/chat/completions` bodies (`chat.completion` and `chat.completion.chunk`)."""
 
-    def __init__(self, meta: ResponseMeta) -> None:
+    def __init__(self, meta: ResponseMeta, index: int = 0) -> None:
         self.meta = meta
+        self.index = index  # the choice this format renders
         self._text = TextEvents(self._delta_chunk)
         self._tokens = TokenText(meta.token_bytes)
         self._calls = ToolCalls(meta.tool_call) if meta.tool_call is not None else None
 
     def stream_start(self) -> list[bytes]:
-        first = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
+        first = ChatStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))
         return [self._chunk([first], None)]
 
     def stream_delta(self, delta: TextDelta) -> bytes | None:
@@ -226,14 +236,20 @@ class ChatFormat:
             return None
         reason = calls.finish_reason(delta.finish_reason)
         choice = ChatStreamChoice(
-            delta=message or DeltaMessage(), logprobs=self._logprobs(delta), finish_reason=reason
+            index=self.index,
+            delta=message or DeltaMessage(),
+            logprobs=self._logprobs(delta),
+            finish_reason=reason,
         )
         return self._chunk([choice], None)
 
     def _delta_chunk(self, delta: TextDelta) -> bytes:
         content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
         choice = ChatStreamChoice(
-            delta=content, logprobs=self._logprobs(delta), finish_reason=delta.finish_reason
+            index=self.index,
+            delta=content,
+            logprobs=self._logprobs(delta),
+            finish_reason=delta.finish_reason,
         )
         return self._chunk([choice], None)
 
@@ -246,7 +262,9 @@ class ChatFormat:
         if self._calls is not None:
             message = self._calls.message(whole.text, reason)
             reason = self._calls.finish_reason(reason)
-        choice = ChatChoice(message=message, logprobs=self._logprobs(whole), finish_reason=reason)
+        choice = ChatChoice(
+            index=self.index, message=message, logprobs=self._logprobs(whole), finish_reason=reason
+        )
         body = ChatCompletionResponse(
             id=m.request_id, created=m.created, model=m.model, choices=[choice], usage=usage
         )

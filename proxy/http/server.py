@@ -30,7 +30,14 @@ from common.text.tokenizer import Tokenizer
 from common.wire.auth import auth_middleware
 from proxy.http.backend import TokenBackend
 from proxy.http.errors import NOT_FOUND, ApiError, internal_error, invalid_request
-from proxy.http.generation import Generation, collect, write_stream
+from proxy.http.generation import (
+    Generation,
+    collect,
+    run_all,
+    total_usage,
+    write_stream,
+    write_streams,
+)
 from proxy.http.hooks import ProxyHooks, RequestEvents
 from proxy.http.prepare import PreparedRequest, RequestPreparer
 from proxy.http.protocol import (
@@ -159,6 +166,8 @@ class ProxyServer:
                 rid, self.model_name, int(time.time()), prep.include_usage,
                 self.tokenizer.token_bytes, prep.tool_call,
             )  # fmt: skip
+            if prep.also:
+                return await self._run_many(request, [prep, *prep.also], fmt_cls, meta, events)
             return await self._run(request, prep, fmt_cls(meta), events)
         except ApiError as e:
             events.error(e, False)
@@ -189,6 +198,41 @@ class ProxyServer:
             return resp
         finally:
             await gen.close()
+
+    async def _run_many(
+        self,
+        request: web.Request,
+        preps: list[PreparedRequest],
+        fmt_cls: Callable[..., ApiFormat],
+        meta: ResponseMeta,
+        events: RequestEvents,
+    ) -> web.StreamResponse:
+        """Several choices (a batch of prompts), generated concurrently, one response."""
+        gens = [Generation(p, self.backend, self.tokenizer, events) for p in preps]
+        fmts = [fmt_cls(meta, i) for i in range(len(preps))]
+        headers = {REQUEST_ID_HEADER: preps[0].request_id}
+        try:
+            if not preps[0].stream:
+                jobs = [collect(g, f, report=False) for g, f in zip(gens, fmts, strict=True)]
+                bodies = await run_all(jobs)
+                body = bodies[0]
+                body["choices"] = [b["choices"][0] for b in bodies]  # type: ignore[index]
+                usage = total_usage(gens)
+                body["usage"] = usage.model_dump(mode="json")
+                events.finished(_finish_reason(gens), usage.prompt_tokens, usage.completion_tokens)
+                return web.json_response(body, headers=headers)
+            firsts = await run_all([g.next_delta() for g in gens])
+            resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+            await resp.prepare(request)
+            await write_streams(resp, gens, firsts, fmts)
+            return resp
+        finally:
+            for g in gens:
+                await g.close()
+
+
+def _finish_reason(gens: list[Generation]) -> str:
+    return gens[0].text.finish_reason or "stop"
 
 
 # -- request bodies and errors ---------------------------------------------------------------

@@ -373,6 +373,34 @@ def test_tool_calls_streamed_and_not(cluster: Cluster) -> None:
     cluster.wait_baseline()
 
 
+def test_a_batch_of_prompts_streamed_and_not_and_cancelled(
+    cluster: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
+) -> None:
+    """Issue 19: a list of prompts is one choice per prompt, in order, each its prompt's
+    completion; a batch stream closed early leaves no request and no block behind."""
+    client = _client(cluster)
+    model = _model(client)
+    prompts = ["Once upon a time", "The quick brown fox", "In a hole in the ground"]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [tokenizer.decode(offline_token_ids(tokenizer.encode(p), sp)) for p in prompts]
+    kw = {"model": model, "prompt": prompts, "max_tokens": 8, "temperature": 0}
+    kw["extra_body"] = {"ignore_eos": True}
+    full = client.completions.create(**kw)
+    assert [c.text for c in sorted(full.choices, key=lambda c: c.index)] == want
+    got = [""] * len(prompts)
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            got[c.index] += c.text
+    assert got == want
+    long = {**kw, "prompt": prompts * 2, "max_tokens": 400}
+    stream = client.completions.create(stream=True, **long)
+    for i, _ in enumerate(stream):
+        if i == 6:
+            break
+    stream.close()
+    cluster.wait_baseline()
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(
     cluster: Cluster, tokenizer: Tokenizer
 ) -> None:

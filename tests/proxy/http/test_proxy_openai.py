@@ -223,3 +223,32 @@ def test_echo_with_logprobs_over_the_engine(
     assert full.choices[0].text.startswith(TEXT_PROMPT)
     assert lp is not None and len(lp.tokens) == len(ids) + 2, lp
     assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_gives_one_choice_each_in_order(
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine, stream: bool
+) -> None:
+    """Issue 19: `prompt` as a list (texts or token arrays): one choice per prompt, in
+    order (`index`), each its prompt's own completion; usage counts them all."""
+    texts = ["The quick brown fox", "Once upon a time", "Hello"]
+    ids = [proxy.tokenizer.encode(t) for t in texts]
+    want = [proxy.tokenizer.decode(_greedy(offline_engine, x, 6, ignore_eos=True)[0]) for x in ids]
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    kw["extra_body"] = {"ignore_eos": True}
+    for prompt in (texts, ids):
+        if stream:
+            got = [""] * len(texts)
+            chunks = list(client.completions.create(prompt=prompt, stream=True, **kw))
+            for c in chunks:
+                for choice in c.choices:
+                    got[choice.index] += choice.text
+            reasons = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+            assert sorted(reasons) == ["length"] * len(texts)
+        else:
+            full = client.completions.create(prompt=prompt, **kw)
+            assert [c.index for c in full.choices] == [0, 1, 2]
+            got = [c.text for c in full.choices]
+            assert full.usage is not None and full.usage.completion_tokens == 18
+            assert full.usage.prompt_tokens == sum(map(len, ids))
+        assert got == want
