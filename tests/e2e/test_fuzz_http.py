@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from common.wire import messages as wire_messages
@@ -91,8 +91,10 @@ FIELD_DEFECTS: dict[str, st.SearchStrategy[Any]] = {
     "top_k": st.one_of(st.integers(max_value=-2), not_int),
     "seed": st.one_of(st.integers(max_value=-1), st.integers(2**63, 2**70), not_int),
     "n": st.one_of(st.integers(2, 100), st.integers(max_value=0), not_int),
-    "presence_penalty": st.floats(0.01, 2.0) | st.floats(-2.0, -0.01),
-    "frequency_penalty": st.floats(0.01, 2.0) | not_number,
+    "presence_penalty": st.floats(2.01, 1e6) | st.floats(-1e6, -2.01),
+    "frequency_penalty": st.floats(2.01, 1e6) | not_number,
+    "repetition_penalty": st.floats(max_value=0.0, allow_nan=False) | not_number,
+    "min_tokens": st.integers(3, 100),  # above max_tokens (2)
     "stop": st.one_of(
         st.just(""),
         st.lists(st.text(min_size=1, max_size=3), min_size=5, max_size=8),
@@ -103,9 +105,14 @@ FIELD_DEFECTS: dict[str, st.SearchStrategy[Any]] = {
     ),
     "stream": st.one_of(st.integers(2, 9), st.text(min_size=1, max_size=4)),
     "ignore_eos": st.one_of(st.integers(2, 9), st.text(min_size=1, max_size=4)),
-    "logit_bias": st.dictionaries(
-        st.integers(0, 99).map(str), st.floats(-100, 100), min_size=1, max_size=2
+    "logit_bias": st.one_of(
+        st.dictionaries(st.integers(0, 99).map(str), st.floats(100.01, 1e6), min_size=1),
+        st.dictionaries(st.integers(VOCAB, 2**31).map(str), st.floats(-1, 1), min_size=1),
+        st.dictionaries(st.text(alphabet="xyz-", min_size=1), st.floats(-1, 1), min_size=1),
     ),
+    "guided_regex": st.sampled_from(["a(b", "[z-a]", "(?<x"]),
+    "guided_choice": st.one_of(st.just([]), st.lists(st.integers(), min_size=1, max_size=2)),
+    "an_unknown_field": st.integers(),
 }
 COMPLETION_DEFECTS: dict[str, st.SearchStrategy[Any]] = {
     "prompt": st.one_of(
@@ -114,11 +121,11 @@ COMPLETION_DEFECTS: dict[str, st.SearchStrategy[Any]] = {
         st.lists(st.integers(VOCAB, 2**31), min_size=1, max_size=4),  # ids outside the vocab
         st.lists(st.integers(max_value=-1), min_size=1, max_size=4),
         st.integers(0, MAX_LEN).map(lambda n: [1] * (MAX_LEN + n)),  # beyond the context
-        st.lists(st.text(min_size=1, max_size=3), min_size=2, max_size=3),  # several prompts
+        st.lists(st.text(min_size=1, max_size=3), min_size=257, max_size=260),  # too many
         not_text,
     ),
-    "echo": st.just(True),
-    "logprobs": st.integers(0, 5),
+    "echo": st.integers(2, 9),
+    "logprobs": st.integers(21, 100) | st.integers(max_value=-1),
     "best_of": st.integers(2, 5),
 }
 CHAT_DEFECTS: dict[str, st.SearchStrategy[Any]] = {
@@ -145,6 +152,13 @@ CHAT_DEFECTS: dict[str, st.SearchStrategy[Any]] = {
         not_text,
     ),
     "max_completion_tokens": st.integers(max_value=0),
+    "top_logprobs": st.integers(0, 5),  # without logprobs
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["xml", "json", ""])}),
+        st.just({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}),
+    ),
+    "tool_choice": st.sampled_from(["required", "auto"]),  # without tools
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function")}), min_size=1),
 }
 
 
@@ -175,6 +189,7 @@ def bad_request(draw: st.DrawFn, model: str) -> tuple[str, bytes, str]:
         text = json.dumps(body)
         cut = draw(st.integers(1, len(text) - 1))
         data = (text[:cut] + draw(st.sampled_from(["", "}", "]]", ",", "\x00", "{{"]))).encode()
+        assume(not _parses(data))  # a cut before `, "max_tokens": 2` plus "}" is valid JSON
     elif kind == "utf8":
         text = json.dumps(body).encode()
         at = text.index(b"hi" if chat else b"Once")
@@ -205,6 +220,14 @@ def bad_request(draw: st.DrawFn, model: str) -> tuple[str, bytes, str]:
             )
         ).encode()
     return path, data, content_type
+
+
+def _parses(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_error(status: int, raw: bytes) -> None:
