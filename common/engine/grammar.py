@@ -112,6 +112,9 @@ def apply_grammar(logits: torch.Tensor, rows: list[int], matchers: list[GrammarM
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
     for i, m in enumerate(matchers):
         m.fill_next_token_bitmask(bitmask, i)
+    if rows == list(range(logits.shape[0])):  # every row: in place, no gather and scatter
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab)
+        return
     part = logits[rows]
     xgr.apply_token_bitmask_inplace(part, bitmask.to(part.device), vocab_size=vocab)
     logits[rows] = part

@@ -281,8 +281,9 @@ class Scheduler:
         asked (their first output carries them all).
         """
         outputs: list[StepOutput] = []
-        for seq in batch.seqs:
-            found = prompt_logprobs.get(seq.request_id) if prompt_logprobs else None
+        positions = prompt_logprobs or {}
+        for seq in batch.seqs if positions else ():  # (nothing to look at, most steps)
+            found = positions.get(seq.request_id)
             if found is not None:  # (chunks come in order; a recompute adds nothing)
                 start, computed = found
                 seq.prompt_logprobs += computed[max(0, len(seq.prompt_logprobs) - start) :]

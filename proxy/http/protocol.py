@@ -573,16 +573,20 @@ class AssistantMessage(_Response):
         return out
 
 
-class FunctionDelta(_Response):
-    name: str | None = None
-    arguments: str | None = None
+class _Sparse(_Response):
+    """A stream delta: serialized without its unset (None) fields."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ToolCallDelta(_Response):
+class FunctionDelta(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Sparse):
     """A streamed tool call: the first delta of a call has its id, type and name, later
     ones add to its arguments."""
 
@@ -590,10 +594,6 @@ class ToolCallDelta(_Response):
     id: str | None = None
     type: Literal["function"] | None = None
     function: FunctionDelta
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class TopLogprob(_Response):
@@ -630,16 +630,12 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
-class DeltaMessage(_Response):
+class DeltaMessage(_Sparse):
     """A chat stream delta; serialized without its unset (None) fields."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(_Response):
