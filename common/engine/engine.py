@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter, defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.block_allocator import BlockAllocator, BlockState
+from common.engine.checks import RequestChecks, RequestError, check_block_owners
 from common.engine.commands import (
     AbortRequest,
     AddRequest,
@@ -46,10 +47,6 @@ from common.wire.stage import Stage
 from kernels.dispatch import kernels_for
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine refuses (bad length, duplicate id): the client's fault."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +152,13 @@ class LLMEngine:
         # Called on the engine thread after every step that ran a batch (node metrics).
         self.on_step: Callable[[StepTiming], None] | None = None
         self._grammars: Grammars | None = None
+        self._checks = RequestChecks(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            config.block_size,
+            self.allocator.num_blocks * config.block_size,
+            lambda: self.grammars,
+        )
         self._publish()
 
     # -- commands (any thread) -------------------------------------------------
@@ -302,27 +306,8 @@ class LLMEngine:
         self._inbox.append(AbortRequest(request_id))
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {n} tokens; this model's context is {self.max_model_len}"
-            )
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        total = min(n + sampling.max_tokens, self.max_model_len)
-        capacity = self.allocator.num_blocks * self.config.block_size
-        if total > capacity:
-            raise RequestError(
-                f"prompt + max_tokens needs {total} tokens of KV; this node holds {capacity}"
-            )
-        if sampling.structured is not None:
-            try:
-                self.grammars.compile(sampling.structured)
-            except GrammarError as e:
-                raise RequestError(str(e)) from None
+        """Raise RequestError if this engine can never serve the request (checks.py)."""
+        self._checks.request(prompt_token_ids, sampling)
 
     def validate_prefilled(
         self,
@@ -332,34 +317,14 @@ class LLMEngine:
         kv_num_tokens: int,
         kv_num_blocks: int,
     ) -> None:
-        """`validate`, for a request prefilled elsewhere, plus what its KV handle claims: its
-        first token is in the vocabulary, its KV covers exactly the prompt, in as many blocks
-        as this node's block size needs. Raises RequestError. (A first token that comes
-        later, with streamed KV, is checked with `check_token` then.)"""
-        self.validate(prompt_token_ids, sampling)
-        if first_token_id is not None:
-            self.check_token(first_token_id)
-        n = len(prompt_token_ids)
-        if n + sampling.max_tokens > self.max_model_len:  # the proxy fits max_tokens first
-            raise RequestError(
-                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                f"context of {self.max_model_len}"
-            )
-        if kv_num_tokens != n:
-            raise RequestError(f"the KV handle holds {kv_num_tokens} tokens; the prompt has {n}")
-        bs = self.config.block_size
-        need = -(-n // bs)
-        if kv_num_blocks != need:
-            raise RequestError(
-                f"the KV handle has {kv_num_blocks} blocks; {n} tokens at block size {bs} "
-                f"need {need} (block sizes differ?)"
-            )
+        """`validate`, for a request prefilled elsewhere, plus what its KV handle claims."""
+        self._checks.prefilled(
+            prompt_token_ids, first_token_id, sampling, kv_num_tokens, kv_num_blocks
+        )
 
     def check_token(self, token_id: int) -> None:
         """A first token sampled elsewhere must be in this model's vocabulary."""
-        vocab = self.model_config.vocab_size
-        if not 0 <= token_id < vocab:
-            raise RequestError(f"first_token_id must be in [0, {vocab})")
+        self._checks.token(token_id)
 
     # -- the offline API --------------------------------------------------------
 
@@ -637,26 +602,4 @@ class LLMEngine:
         """The allocator's books balance and agree with who owns each block (engine thread).
 
         Raises AssertionError naming the books that disagree."""
-        self.allocator.check_integrity()
-        # Every reference the allocator counts has its owner, in the state it is held in:
-        # a running sequence (USED), or a kept HELD or RESERVED set. Shared blocks have one
-        # reference per owner; cached free blocks have none.
-        owners: dict[int, Counter[BlockState]] = defaultdict(Counter)
-        for seq in self.scheduler.running:
-            for b in seq.block_table:
-                owners[b][BlockState.USED] += 1
-        for record in self._records.values():
-            for b in record.pinned:
-                owners[b][BlockState.HELD] += 1
-            if record.seq is None:
-                state = BlockState.HELD if record.stage is Stage.HELD else BlockState.RESERVED
-                for b in record.blocks:
-                    owners[b][state] += 1
-        referenced = (b for b in range(self.allocator.num_blocks) if self.allocator.ref_count(b))
-        for b in set(referenced) | set(owners):
-            assert self.allocator.holders(b) == dict(owners.get(b, {})), (
-                "owners",
-                b,
-                self.allocator.holders(b),
-                dict(owners.get(b, {})),
-            )
+        check_block_owners(self.allocator, self.scheduler.running, self._records.values())
