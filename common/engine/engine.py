@@ -87,6 +87,8 @@ class Completion:
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs] | None = None  # one per token, if the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., if asked
+    # sampling.n > 1: choices 1.. (token ids and finish reason each); this is choice 0.
+    more_choices: list[tuple[list[int], FinishReason]] | None = None
 
 
 class LLMEngine:
@@ -159,6 +161,8 @@ class LLMEngine:
             self.allocator.num_blocks * config.block_size,
             lambda: self.grammars,
         )
+        self._forks: dict[str, list[str]] = {}  # request id -> its choices' ids (n > 1)
+        self.scheduler.on_fork = self._fork
         self._publish()
 
     # -- commands (any thread) -------------------------------------------------
@@ -345,30 +349,42 @@ class LLMEngine:
         ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
         for rid, prompt, sp in zip(ids, prompts, params, strict=True):
             self.add_request(rid, list(prompt), sp)
-        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        want = {(rid, j) for rid, sp in zip(ids, params, strict=True) for j in range(sp.n)}
+        tokens: dict[tuple[str, int], list[int]] = {key: [] for key in want}
+        reasons: dict[tuple[str, int], FinishReason] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
         prompt_lps: dict[str, list[TokenLogprobs] | None] = dict.fromkeys(ids)
-        reasons: dict[str, FinishReason] = {}
         for _ in range(max_steps):
-            if len(reasons) == len(ids):
+            if len(reasons) == len(want):
                 break
             for out in self.step():
                 if on_output is not None:
                     on_output(out)
-                tokens[out.request_id] += out.new_token_ids
-                logprobs[out.request_id] += out.logprobs or []
+                key = (out.route or out.request_id, out.choice)
+                tokens[key] += out.new_token_ids
+                if out.choice == 0:
+                    logprobs[out.request_id] += out.logprobs or []
                 if out.prompt_logprobs is not None:
                     prompt_lps[out.request_id] = out.prompt_logprobs
                 if out.finished and out.finish_reason is not None:
-                    reasons[out.request_id] = out.finish_reason
+                    reasons[key] = out.finish_reason
         else:
             raise RuntimeError(f"generate: not finished after {max_steps} steps")
-        return [
-            Completion(
-                rid, list(p), tokens[rid], reasons[rid], logprobs[rid] or None, prompt_lps[rid]
+        done = []
+        for rid, p, sp in zip(ids, prompts, params, strict=True):
+            more = [(tokens[rid, j], reasons[rid, j]) for j in range(1, sp.n)] or None
+            done.append(
+                Completion(
+                    rid,
+                    list(p),
+                    tokens[rid, 0],
+                    reasons[rid, 0],
+                    logprobs[rid] or None,
+                    prompt_lps[rid],
+                    more,
+                )  # fmt: skip
             )
-            for rid, p in zip(ids, prompts, strict=True)
-        ]
+        return done
 
     def warm_up(self) -> float:
         """Run each kind of step once before serving: a prefill of more than one block with
@@ -427,6 +443,10 @@ class LLMEngine:
                 self._records[out.request_id].hold(out.held_blocks)
             elif out.finished:
                 self._end(out.request_id)
+        if self._forks:  # forget the choices of requests whose every choice ended
+            for parent, ids in list(self._forks.items()):
+                if parent not in self._records and not any(f in self._records for f in ids):
+                    del self._forks[parent]
         self._publish()
         if len(batch) and self.on_step is not None:
             sample_s = self.runner.last_sample_s
@@ -468,6 +488,19 @@ class LLMEngine:
         return outputs
 
     def _abort(self, request_id: str) -> list[StepOutput]:
+        """Abort a request, every choice of it (n > 1) included."""
+        outputs: list[StepOutput] = []
+        for j, fid in enumerate(self._forks.pop(request_id, []), start=1):
+            record = self._records.get(fid)
+            if record is not None and record.seq is not None:
+                self.scheduler.abort(record.seq)
+                self._end(fid)
+                outputs.append(
+                    StepOutput(fid, [], True, FinishReason.ABORT, choice=j, route=request_id)
+                )
+        return outputs + self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> list[StepOutput]:
         record = self._records.get(request_id)
         if record is None:  # already finished (or aborted), or never added
             return []
@@ -533,6 +566,44 @@ class LLMEngine:
         record.admit(seq)
         self.scheduler.add_running(seq)
         self.scheduler.register_computed(seq)  # the landed prompt blocks can be shared now
+        if seq.sampling.n > 1:
+            self._fork(seq)  # the prompt's KV came once, for every choice
+
+    def _fork(self, parent: Sequence) -> None:
+        """Make choices 1..n-1 of `parent` (which has its first token): each shares the full
+        blocks before the prompt's last position and gets its own copy of the block holding
+        it, and resumes one token before the prompt's end, so that its next step computes
+        that position again and samples its own first token (with its own seed). A fork
+        that finds no free block waits, and prefills its prompt itself when it can."""
+        parent.forked = True
+        bs = self.config.block_size
+        n_prompt = parent.num_prompt_tokens
+        last = (n_prompt - 1) // bs
+        prompt = parent.token_ids[:n_prompt]
+        ids = self._forks[parent.request_id] = []
+        for j in range(1, parent.sampling.n):
+            fid = f"{parent.request_id}#{j}"
+            self._arrivals += 1
+            fork = Sequence(fid, prompt, parent.sampling.for_choice(j), self._arrivals)
+            fork.choice, fork.parent_id, fork.forked = j, parent.request_id, True
+            fork.arrival_time, fork.times_reported = parent.arrival_time, True
+            self._constrain(fork)
+            self._records[fid] = RequestRecord(fid, fork)
+            self._known_ids.add(fid)
+            ids.append(fid)
+            if not self.allocator.can_allocate(1 + self.scheduler.watermark):
+                self.scheduler.add(fork)
+                continue
+            shared = parent.block_table[:last]
+            self.allocator.share(shared)
+            (copy,) = self.allocator.allocate(1)
+            self.kv_cache[copy].copy_(self.kv_cache[parent.block_table[last]])
+            fork.block_table = [*shared, copy]
+            fork.num_computed_tokens = n_prompt - 1
+            fork.block_hashes = parent.block_hashes[:last]
+            fork.num_registered = min(parent.num_registered, last)
+            fork.scheduled_time = time.time()
+            self.scheduler.add_running(fork)
 
     def _free_kept(self, record: RequestRecord) -> None:
         """Free a HELD or RESERVED block set (and its pins) and drop its record."""

@@ -133,6 +133,7 @@ class AsyncEngine:
             lambda: self.engine.add_request(
                 request_id, prompt_token_ids, sampling, hold_kv, stream_kv, transfer
             ),
+            1 if hold_kv else sampling.n,
         )
 
     def decode_prefilled(
@@ -148,10 +149,11 @@ class AsyncEngine:
             lambda: self.engine.admit_prefilled(
                 request_id, prompt_token_ids, first_token_id, sampling
             ),
+            sampling.n,
         )
 
     def _submit(
-        self, request_id: str, submit: Callable[[], None]
+        self, request_id: str, submit: Callable[[], None], choices: int = 1
     ) -> AsyncGenerator[StepOutput, None]:
         # The queue exists before the engine can produce output for the request.
         # The caller must iterate the stream to its end or aclose() it.
@@ -163,19 +165,25 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             raise
         self._thread.wake()
-        return self._stream(request_id, queue)
+        return self._stream(request_id, queue, choices)
 
     async def _stream(
-        self, request_id: str, queue: asyncio.Queue[StepOutput]
+        self, request_id: str, queue: asyncio.Queue[StepOutput], choices: int = 1
     ) -> AsyncGenerator[StepOutput, None]:
-        """Yield outputs until the request finishes; abort it if the caller stops early."""
+        """Yield outputs (of every choice) until the request finishes, each choice; abort it
+        if the caller stops early."""
         finished = False
+        ended: set[int] = set()
         try:
             while not finished:
                 out = await queue.get()
                 if out.kind is OutputKind.ENGINE_DEAD:
                     raise RuntimeError("the engine stopped") from self._thread.error
-                finished = out.finished
+                if out.finished:
+                    ended.add(out.choice)
+                finished = len(ended) >= choices or (
+                    out.finished and out.kind is not OutputKind.TOKENS
+                )
                 yield out
         finally:
             self._queues.pop(request_id, None)
@@ -238,6 +246,6 @@ class AsyncEngine:
                 q.put_nowait(StepOutput(rid, [], True, None, OutputKind.ENGINE_DEAD))
             return
         for out in outputs:
-            queue = self._queues.get(out.request_id)
+            queue = self._queues.get(out.route or out.request_id)
             if queue is not None:
                 queue.put_nowait(out)

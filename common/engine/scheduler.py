@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -71,6 +72,10 @@ class StepOutput:
     # First output only, when the request asked: those of prompt tokens 1.. (the first
     # prompt token has none).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # sampling.n > 1: which choice this is, and (choices > 0) the request it belongs to,
+    # by whose id its outputs are delivered.
+    choice: int = 0
+    route: str | None = None
 
     def __post_init__(self) -> None:
         if (self.held_blocks is not None) != (self.kind is OutputKind.HELD):
@@ -106,6 +111,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Called with a sequence of n > 1 choices at its first token (the engine forks it).
+        self.on_fork: Callable[[Sequence], None] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
         # Admission keeps a few blocks back so running sequences can grow.
@@ -300,6 +307,8 @@ class Scheduler:
             seq.token_ids.append(token)
             if seq.matcher is not None and not seq.matcher.is_terminated():
                 seq.matcher.accept_token(token)
+            if seq.sampling.n > 1 and not seq.forked and not seq.hold_kv and self.on_fork:
+                self.on_fork(seq)  # before it may finish: the forks share its blocks
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)
@@ -313,7 +322,13 @@ class Scheduler:
                 _first_output(outputs[-1], seq)
                 continue
             out = StepOutput(
-                seq.request_id, [token], reason is not None, reason, logprobs=token_lps
+                seq.request_id,
+                [token],
+                reason is not None,
+                reason,
+                logprobs=token_lps,
+                choice=seq.choice,
+                route=seq.parent_id,
             )
             _first_output(out, seq)
             outputs.append(out)

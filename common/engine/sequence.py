@@ -83,6 +83,11 @@ class Sequence:
         # sampling.structured: the xgrammar GrammarMatcher of the output so far (set by the
         # engine, fed each sampled token by the scheduler).
         self.matcher: Any = None
+        # sampling.n > 1: choice j > 0 is a fork of choice 0 (its `parent_id`) that shares
+        # its prompt blocks; `forked`: choice 0 made its forks.
+        self.choice = 0
+        self.parent_id: str | None = None
+        self.forked = False
         self.num_preemptions = 0
         # Prefill role: after the first token, keep the prompt's KV blocks (HELD)
         # for transfer instead of decoding on.

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.wire.logprobs import MAX_TOP_LOGPROBS
 
+MAX_CHOICES = 16
+
 
 class StructuredOutput(BaseModel):
     """A constraint on the output (xgrammar, common.engine.grammar): `json_object` any JSON
@@ -49,6 +51,9 @@ class SamplingParams(BaseModel):
     # The output must match this (the prefill node constrains the first token, the decode
     # node rebuilds the matcher from the tokens accepted so far).
     structured: StructuredOutput | None = None
+    # Independent choices of one prompt: prefilled (and transferred) once, then the engine
+    # that decodes forks the sequence (`for_choice` gives choice j its own seed).
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     # The output index of this request's first sampled token: nonzero when a request is
     # continued elsewhere (re-prefilled after a node failure), so seeded noise continues.
     output_index_base: int = Field(default=0, ge=0, lt=2**31)
@@ -62,6 +67,14 @@ class SamplingParams(BaseModel):
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
             raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
         return self
+
+    def for_choice(self, j: int) -> SamplingParams:
+        """Choice j's own parameters (one choice; j > 0 has a seed derived from this one's,
+        so every choice is reproducible and the choices are independent draws)."""
+        update: dict[str, object] = {"n": 1, "prompt_logprobs": None}
+        if j and self.seed is not None:
+            update["seed"] = (self.seed * 0x9E3779B1 + j) % (2**63 - 1)
+        return self.model_copy(update=update)
 
     @property
     def greedy(self) -> bool:
