@@ -427,6 +427,7 @@ async def stream_outputs(
                 num_cached_tokens=out.num_cached_tokens,
                 logprobs=out.logprobs,
                 prompt_logprobs=out.prompt_logprobs,
+                choice=out.choice,
             )
             await resp.write(to_json(delta) + b"\n")
             if out.new_token_ids and token_gap is not None:

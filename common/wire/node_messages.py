@@ -154,6 +154,7 @@ class TokenDelta(Message):
     num_cached_tokens: int | None = Field(default=None, ge=0)  # first line only
     logprobs: list[TokenLogprobs] | None = None  # one per token id, if asked for
     prompt_logprobs: list[TokenLogprobs] | None = None  # first line only, if asked for
+    choice: int = Field(default=0, ge=0)  # sampling.n > 1: the choice these tokens are of
 
 
 @register

@@ -45,6 +45,7 @@ class TokenChunk:
     logprobs: list[TokenLogprobs] | None = None
     # First chunk only, when asked (`SamplingParams.prompt_logprobs`): prompt tokens 1..
     prompt_logprobs: list[TokenLogprobs] | None = None
+    choice: int = 0  # sampling.n > 1: which choice these tokens are of
     # When the proxy got it (time.monotonic()): the relay time to the client starts here.
     arrived: float = field(default_factory=time.monotonic, compare=False)
 

@@ -156,8 +156,8 @@ class NodeStream:
         finish, merged = first.finish_reason, False
         while finish is None and self._lines:
             delta = self._parse(self._lines[0])
-            if delta.error is not None:
-                break  # the next call raises it, after these tokens are relayed
+            if delta.error is not None or delta.choice != first.choice:
+                break  # an error: the next call raises it, after these tokens are relayed
             self._lines.popleft()
             more = self._chunk(delta)
             later += more.token_ids
@@ -172,6 +172,7 @@ class NodeStream:
             first.num_cached_tokens,
             logprobs,
             first.prompt_logprobs,
+            first.choice,
             first.arrived,
         )
 
@@ -265,6 +266,7 @@ class NodeStream:
             delta.num_cached_tokens,
             delta.logprobs,
             delta.prompt_logprobs,
+            delta.choice,
         )
 
 

@@ -143,6 +143,7 @@ class DisaggBackend:
                     self._stalled(req, e)
                 if (
                     migration == self.config.migrate_limit
+                    or req.sampling.n > 1  # several choices: no one continuation of them
                     or not emitted
                     or len(emitted) >= req.sampling.max_tokens
                 ):

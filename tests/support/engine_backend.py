@@ -36,5 +36,9 @@ def _chunk(out: StepOutput) -> TokenChunk:
     if out.finished and reason is None:  # the engine thread died (AsyncEngine's sentinel)
         raise BackendError.failed("the engine stopped")
     return TokenChunk(
-        list(out.new_token_ids), reason, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs
+        list(out.new_token_ids),
+        reason,
+        logprobs=out.logprobs,
+        prompt_logprobs=out.prompt_logprobs,
+        choice=out.choice,
     )
