@@ -101,7 +101,9 @@ class DecodeNode(TransferNode):
             msg.prompt_token_ids, msg.first_token_id, msg.sampling, msg.kv.num_tokens,
             msg.kv.num_blocks,
         )  # fmt: skip
-        blocks = await self.front.reserve(msg.request_id, msg.kv.num_tokens, msg.prompt_token_ids)
+        blocks = await self.front.reserve(
+            msg.request_id, msg.kv.num_tokens, msg.prompt_token_ids, msg.sampling.n
+        )
         if blocks is None:
             raise ApiError(503, "decode node is full", type=SERVER_ERROR, code="decode_full")
         assert len(blocks) == msg.kv.num_blocks, (len(blocks), msg.kv)  # validate_prefilled

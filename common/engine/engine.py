@@ -217,23 +217,29 @@ class LLMEngine:
     # -- decode role: destination blocks (engine thread) -------------------------
 
     def reserve(
-        self, request_id: str, num_tokens: int, prompt_token_ids: list[int] | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        prompt_token_ids: list[int] | None = None,
+        choices: int = 1,
     ) -> list[int] | None:
         """Reserve destination blocks for `num_tokens` of incoming KV, or None if full.
 
         With the prompt, the leading blocks this node has cached are shared rather than
         reserved empty (the record's num_cached_blocks): the transfer skips them. Keeps the
         scheduler's watermark free so running sequences can still grow, and counts
-        reservations against max_num_seqs.
+        reservations against max_num_seqs. `choices` (n > 1): the sequences it becomes, each
+        with its own copy of the prompt's last block.
         """
         need = -(-num_tokens // self.config.block_size)
         busy = len(self.scheduler.running) + self._num_reserved()
-        if request_id in self._records or busy >= self.config.max_num_seqs:
+        if request_id in self._records or busy + choices > self.config.max_num_seqs:
             return None
         hits = self.scheduler.cached_prompt_blocks(prompt_token_ids or [])[:need]
         revived = sum(1 for b in hits if self.allocator.is_cached_free(b))
         fresh = need - len(hits)
-        if not self.allocator.can_allocate(fresh + revived + self.scheduler.watermark):
+        copies = choices - 1
+        if not self.allocator.can_allocate(fresh + revived + copies + self.scheduler.watermark):
             return None
         self.allocator.share(hits, BlockState.RESERVED)
         blocks = hits + self.allocator.allocate(fresh, BlockState.RESERVED)
@@ -480,7 +486,7 @@ class LLMEngine:
                     if record is not None and record.stage is Stage.HELD:
                         self._free_kept(record)
                 case AdmitLanded(seq):
-                    self._admit(seq)
+                    outputs += self._admit(seq)
                 case CallOnEngine(fn, done):
                     self._run_call(fn, done)
         if applied:
@@ -557,7 +563,7 @@ class LLMEngine:
             return
         done(result, None)
 
-    def _admit(self, seq: Sequence) -> None:
+    def _admit(self, seq: Sequence) -> list[StepOutput]:
         record = self._records[seq.request_id]
         self.allocator.transition(record.blocks, BlockState.USED, BlockState.RESERVED)
         seq.block_table = record.blocks
@@ -566,15 +572,19 @@ class LLMEngine:
         record.admit(seq)
         self.scheduler.add_running(seq)
         self.scheduler.register_computed(seq)  # the landed prompt blocks can be shared now
-        if seq.sampling.n > 1:
-            self._fork(seq)  # the prompt's KV came once, for every choice
+        if seq.sampling.n == 1:
+            return []
+        self._fork(seq)  # the prompt's KV came once, for every choice
+        ended = self.scheduler.stop_at_admission(seq)  # choice 0 ended at its first token
+        return [] if ended is None else [ended]
 
     def _fork(self, parent: Sequence) -> None:
         """Make choices 1..n-1 of `parent` (which has its first token): each shares the full
         blocks before the prompt's last position and gets its own copy of the block holding
         it, and resumes one token before the prompt's end, so that its next step computes
         that position again and samples its own first token (with its own seed). A fork
-        that finds no free block waits, and prefills its prompt itself when it can."""
+        that finds no free block, or the batch full (max_num_seqs), waits, and prefills its
+        prompt itself when it can."""
         parent.forked = True
         bs = self.config.block_size
         n_prompt = parent.num_prompt_tokens
@@ -591,8 +601,9 @@ class LLMEngine:
             self._records[fid] = RequestRecord(fid, fork)
             self._known_ids.add(fid)
             ids.append(fid)
-            if not self.allocator.can_allocate(1 + self.scheduler.watermark):
-                self.scheduler.add(fork)
+            full = len(self.scheduler.running) >= self.config.max_num_seqs
+            if full or not self.allocator.can_allocate(1 + self.scheduler.watermark):
+                self.scheduler.add(fork)  # it prefills (from the prefix cache) when it can
                 continue
             shared = parent.block_table[:last]
             self.allocator.share(shared)

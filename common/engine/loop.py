@@ -211,13 +211,17 @@ class AsyncEngine:
         return await future
 
     async def reserve(
-        self, request_id: str, num_tokens: int, prompt_token_ids: list[int] | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        prompt_token_ids: list[int] | None = None,
+        choices: int = 1,
     ) -> list[int] | None:
         """Reserve destination blocks (decode role); None if the engine has no room. With
-        the prompt, cached leading blocks are shared (LLMEngine.reserve)."""
+        the prompt, cached leading blocks are shared (LLMEngine.reserve); `choices`: n."""
         try:
             return await self.call(
-                lambda: self.engine.reserve(request_id, num_tokens, prompt_token_ids)
+                lambda: self.engine.reserve(request_id, num_tokens, prompt_token_ids, choices)
             )
         except asyncio.CancelledError:
             # The reservation may still be made; commands run in order, so this frees it.

@@ -309,7 +309,10 @@ class Scheduler:
                 seq.matcher.accept_token(token)
             if seq.sampling.n > 1 and not seq.forked and not seq.hold_kv and self.on_fork:
                 self.on_fork(seq)  # before it may finish: the forks share its blocks
-            reason = self._stop_reason(seq, token)
+            # A prefill of several choices holds its KV whatever its first token: the decode
+            # node forks the other choices from it, and finishes choice 0 there if it stops.
+            several = seq.hold_kv and seq.sampling.n > 1
+            reason = None if several else self._stop_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -379,6 +382,19 @@ class Scheduler:
             seq.block_table = []
         seq.finish_reason = reason
         seq.transition(SeqStatus.FINISHED)
+
+    def stop_at_admission(self, seq: Sequence) -> StepOutput | None:
+        """Decode role, several choices: finish running `seq` now if the first token it
+        came with (sampled where it was prefilled, which held its KV for the other choices)
+        already ends it; its finishing output (no tokens: the first was sent), if it does."""
+        reason = self._stop_reason(seq, seq.token_ids[-1])
+        if reason is None:
+            return None
+        self.running.remove(seq)
+        self._finish(seq, reason)
+        out = StepOutput(seq.request_id, [], True, reason)
+        _first_output(out, seq)
+        return out
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling

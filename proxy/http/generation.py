@@ -20,6 +20,7 @@ from aiohttp import web
 
 from common.text.tokenizer import Tokenizer
 from proxy.http.backend import BackendError, TokenBackend, TokenStream
+from proxy.http.choices import ChoiceSplit, ChoiceStream
 from proxy.http.errors import SERVER_ERROR, ApiError, internal_error
 from proxy.http.hooks import RequestEvents
 from proxy.http.prepare import PreparedRequest
@@ -40,7 +41,10 @@ class Generation:
         backend: TokenBackend,
         tokenizer: Tokenizer,
         events: RequestEvents,
+        tokens: ChoiceStream | None = None,
     ) -> None:
+        """`tokens`: this choice's stream of a request of several (`ChoiceSplit`); else the
+        backend's stream of `prep`, opened here."""
         self.prep = prep
         self.events = events
         sampling = prep.generation.sampling
@@ -55,7 +59,9 @@ class Generation:
             sampling.min_tokens,
             prep.echo,
         )
-        self._tokens: TokenStream = backend.generate(prep.generation)
+        self._tokens: TokenStream | ChoiceStream = (
+            tokens if tokens is not None else backend.generate(prep.generation)
+        )
         self.arrived = 0.0  # when the last backend chunk arrived (time.monotonic())
 
     @property
@@ -184,12 +190,25 @@ async def run_all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def open_choices(
+    prep: PreparedRequest, backend: TokenBackend, tokenizer: Tokenizer, events: RequestEvents
+) -> list[Generation]:
+    """One Generation per choice of `prep` (`n` of them), over one backend stream."""
+    n = prep.generation.sampling.n
+    if n == 1:
+        return [Generation(prep, backend, tokenizer, events)]
+    split = ChoiceSplit(backend.generate(prep.generation), n)
+    return [Generation(prep, backend, tokenizer, events, s) for s in split.streams]
+
+
 def total_usage(gens: list[Generation]) -> Usage:
-    """The usage of every choice together (each prompt and its completion)."""
+    """The usage of every choice together: each prompt once (its `n` choices share one
+    prefill), every completion."""
+    prompts = {g.request_id: g for g in reversed(gens)}.values()  # each prompt's choice 0
     return make_usage(
-        sum(g.prep.num_prompt_tokens for g in gens),
+        sum(g.prep.num_prompt_tokens for g in prompts),
         sum(g.text.completion_tokens for g in gens),
-        sum(g.text.cached_tokens for g in gens),
+        sum(g.text.cached_tokens for g in prompts),
     )
 
 

@@ -174,6 +174,7 @@ class RequestPreparer:
                 logit_bias=bias,
                 logprobs=req.num_logprobs,
                 structured=structured,
+                n=req.n,
             )
         except ValidationError as e:  # our bounds are tighter; this is a safety net
             raise invalid_request(f"invalid sampling parameters: {e.errors()[0]['msg']}") from e

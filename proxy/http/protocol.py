@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from common.wire.logprobs import MAX_TOP_LOGPROBS
-from common.wire.sampling_params import StructuredOutput
+from common.wire.sampling_params import MAX_CHOICES, StructuredOutput
 from proxy.http.errors import ApiError, invalid_request
 
 MAX_STOP_STRINGS = 4
@@ -87,20 +87,14 @@ class GenerationParams(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
-    n: int = 1
+    # Choices per prompt: prefilled (and its KV moved) once, forked where it decodes.
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)  # vLLM's extension
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extension
     # OpenAI: token id (as a JSON object key) -> bias in [-100, 100], added to its logit.
     logit_bias: dict[str, float] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("logit_bias")
     @classmethod

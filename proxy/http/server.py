@@ -33,6 +33,7 @@ from proxy.http.errors import NOT_FOUND, ApiError, internal_error, invalid_reque
 from proxy.http.generation import (
     Generation,
     collect,
+    open_choices,
     run_all,
     total_usage,
     write_stream,
@@ -166,7 +167,7 @@ class ProxyServer:
                 rid, self.model_name, int(time.time()), prep.include_usage,
                 self.tokenizer.token_bytes, prep.tool_call,
             )  # fmt: skip
-            if prep.also:
+            if prep.also or prep.generation.sampling.n > 1:
                 return await self._run_many(request, [prep, *prep.also], fmt_cls, meta, events)
             return await self._run(request, prep, fmt_cls(meta), events)
         except ApiError as e:
@@ -207,9 +208,10 @@ class ProxyServer:
         meta: ResponseMeta,
         events: RequestEvents,
     ) -> web.StreamResponse:
-        """Several choices (a batch of prompts), generated concurrently, one response."""
-        gens = [Generation(p, self.backend, self.tokenizer, events) for p in preps]
-        fmts = [fmt_cls(meta, i) for i in range(len(preps))]
+        """Several choices (`n` of each prompt of a batch, in that order), generated
+        concurrently, one response."""
+        gens = [g for p in preps for g in open_choices(p, self.backend, self.tokenizer, events)]
+        fmts = [fmt_cls(meta, i) for i in range(len(gens))]
         headers = {REQUEST_ID_HEADER: preps[0].request_id}
         try:
             if not preps[0].stream:

@@ -184,7 +184,9 @@ class DisaggBackend:
             if stream is not None:
                 self.budget.release(budget_id)
                 async with aclosing(
-                    relay(stream, self.client, self.queue, traces=self.traces)
+                    relay(
+                        stream, self.client, self.queue, traces=self.traces, choices=req.sampling.n
+                    )
                 ) as chunks:
                     async for chunk in chunks:
                         yield chunk
@@ -285,7 +287,7 @@ class DisaggBackend:
     ) -> TokenStream:
         self.traces.record(req.request_id, "dispatched", detail=stream.url, stage=Stage.TRANSFER)
         async with aclosing(
-            relay(stream, self.client, self.queue, prefill_url, self.traces)
+            relay(stream, self.client, self.queue, prefill_url, self.traces, req.sampling.n)
         ) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -478,7 +480,8 @@ class ColocatedBackend:
         request is not migrated)."""
         stream = await self._open(req)
         try:
-            async with aclosing(relay(stream, self.client, traces=self.traces)) as chunks:
+            chunks = relay(stream, self.client, traces=self.traces, choices=req.sampling.n)
+            async with aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
         except NodeLost as e:
@@ -596,11 +599,14 @@ async def relay(
     queue: InterStageQueue | None = None,
     prefill_url: str | None = None,
     traces: TraceStore | None = None,
+    choices: int = 1,
 ) -> TokenStream:
-    """A node's token stream as TokenChunks; on any early end (close, error) the stream is
-    dropped and the request cancelled on the node (and on `prefill_url` while no token came,
-    since the KV transfer may still be in flight). Signals `queue` that capacity freed up."""
+    """A node's token stream as TokenChunks, until each of its `choices` finished; on any
+    early end (close, error) the stream is dropped and the request cancelled on the node
+    (and on `prefill_url` while no token came, since the KV transfer may still be in
+    flight). Signals `queue` that capacity freed up."""
     finished = received = False
+    ended: set[int] = set()
     try:
         while True:
             try:
@@ -612,7 +618,9 @@ async def relay(
             if not received and traces is not None:
                 traces.enter(stream.request_id, Stage.DECODE)
             received = True
-            finished = chunk.finish_reason is not None
+            if chunk.finish_reason is not None:
+                ended.add(chunk.choice)
+                finished = len(ended) == choices
             yield chunk
             if finished:
                 return

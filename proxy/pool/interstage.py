@@ -295,8 +295,10 @@ class InterStageQueue:
         return slots > offering and free >= blocks
 
     def _blocks_of(self, entry: QueueEntry) -> int:
-        # The decode node reserves the prompt's blocks plus room for the first outputs.
-        return -(-len(entry.request.prompt_token_ids) // self.config.block_size) + 1
+        # The decode node reserves the prompt's blocks plus room for the first outputs, and
+        # a copy of the last prompt block for each further choice.
+        prompt_blocks = -(-len(entry.request.prompt_token_ids) // self.config.block_size)
+        return prompt_blocks + entry.request.sampling.n
 
     async def _offer(self, entry: QueueEntry) -> None:
         """Offer `entry` to each decode node in turn until one accepts it (DISPATCHED), it

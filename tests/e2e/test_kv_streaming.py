@@ -124,6 +124,34 @@ def test_streamed_kv_serves_equal_to_offline(
             cluster.close()
 
 
+def test_n_choices_fork_from_streamed_kv(
+    streaming: Cluster, tokenizer: Tokenizer, offline_completion: Callable
+) -> None:
+    """Issue 19: a request of several choices whose KV streamed in groups: the decode node
+    forks it once it landed, every choice the offline engine's."""
+    prompt = corpus_prompt(tokenizer, 300, 7)
+    sp = SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True, n=3)
+    done = offline_completion(tokenizer.encode(prompt), sp)
+    want = [tokenizer.decode(t) for t in [done.token_ids, *[t for t, _ in done.more_choices]]]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.9, "seed": 3, "n": 3}
+    body["ignore_eos"] = True
+    assert streaming.proxy is not None
+    proxy = streaming.proxy
+
+    async def main(session: aiohttp.ClientSession) -> None:
+        async with session.post(
+            f"{proxy.url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)
+        ) as r:
+            assert r.status == 200, await r.text()
+            out = await r.json()
+        assert [c["text"] for c in out["choices"]] == want
+        rows = await _trace(session, proxy, out["id"])
+        assert any(r["event"].startswith("kv group") for r in rows)
+
+    run_with_session(main)
+    streaming.wait_baseline(timeout=10.0)
+
+
 def test_a_second_turn_streams_only_the_blocks_the_decode_node_lacks(
     streaming: Cluster, tokenizer: Tokenizer, offline_token_ids: Callable
 ) -> None:

@@ -401,6 +401,75 @@ def test_a_batch_of_prompts_streamed_and_not_and_cancelled(
     cluster.wait_baseline()
 
 
+def test_n_choices_streamed_and_not_equal_offline_and_cancel_frees_every_block(
+    cluster: Cluster, tokenizer: Tokenizer, offline_completion: Callable
+) -> None:
+    """Issue 19: `n` choices, the prompt prefilled and (disaggregated) its KV moved once,
+    the decode node forking it: each choice the offline engine's (reproducible per seed,
+    independent), streamed and not, both endpoints, usage counting the prompt once; an
+    `n=4` stream closed mid-way frees every block, shared ones exactly once."""
+    client = _client(cluster)
+    model = _model(client)
+    sp = SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True, n=3)
+    common = {"model": model, "max_tokens": 10, "temperature": 0.9, "seed": 7, "n": 3}
+    common["extra_body"] = {"ignore_eos": True}
+
+    def offline(ids: list[int]) -> list[str]:
+        done = offline_completion(ids, sp)
+        return [tokenizer.decode(t) for t in [done.token_ids, *[t for t, _ in done.more_choices]]]
+
+    def texts(out: object, stream: bool, chat: bool) -> list[str]:
+        got: dict[int, str] = {}
+        for chunk in out if stream else [out]:  # type: ignore[attr-defined]
+            for c in chunk.choices:
+                text = (c.delta.content if stream else c.message.content) if chat else c.text
+                got[c.index] = got.get(c.index, "") + (text or "")
+        return [got[i] for i in sorted(got)]
+
+    prompt = "Once upon a time"
+    messages = [{"role": "user", "content": "Tell me about the quick brown fox."}]
+    want, want_chat = offline(tokenizer.encode(prompt)), offline(tokenizer.encode_chat(messages))
+    assert len(set(want)) == 3
+    for stream in (False, True):
+        done = client.completions.create(prompt=prompt, stream=stream, **common)
+        assert texts(done, stream, False) == want, stream
+        chat = client.chat.completions.create(messages=messages, stream=stream, **common)
+        assert texts(chat, stream, True) == want_chat, stream
+
+    def counts() -> tuple[float, float]:  # prompts prefilled, KV blocks decode nodes got
+        nodes = cluster.nodes()
+        prefilled = sum(
+            _metric(p.url, "pdserve_node_requests_total", outcome="prefilled") for p in nodes
+        )
+        blocks = sum(
+            _metric(p.url, name)
+            for p in nodes
+            if p.name.startswith("decode")
+            for name in ("pdserve_kv_blocks_transferred_total", "pdserve_kv_blocks_cached_total")
+        )
+        return prefilled, blocks
+
+    fresh = "A prompt no node has seen, of several choices"  # (a cached one may go local)
+    before = counts()
+    full = client.completions.create(prompt=fresh, **common)
+    after = counts()
+    if any(p.name.startswith("decode") for p in cluster.nodes()):
+        n_blocks = -(-len(tokenizer.encode(fresh)) // 16)  # one prompt's KV, moved once
+        assert (after[0] - before[0], after[1] - before[1]) == (1, n_blocks)
+    assert [c.finish_reason for c in full.choices] == ["length"] * 3
+    assert full.usage is not None and full.usage.completion_tokens == 30
+    assert full.usage.prompt_tokens == len(tokenizer.encode(fresh))
+    long = {**common, "n": 4, "max_tokens": 400}
+    stream = client.completions.create(prompt=prompt, stream=True, **long)
+    seen: set[int] = set()
+    for chunk in stream:
+        seen.update(c.index for c in chunk.choices)
+        if len(seen) == 4:
+            break
+    stream.close()
+    cluster.wait_baseline()
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(
     cluster: Cluster, tokenizer: Tokenizer
 ) -> None:

@@ -115,3 +115,11 @@ class OfflineEngine:
         """One prompt run alone: its output token ids and finish reason."""
         (done,) = self.engine.generate([prompt_ids], sampling)
         return done.token_ids, done.finish_reason.value
+
+    def choices(
+        self, prompt_ids: list[int], sampling: SamplingParams
+    ) -> list[tuple[list[int], str]]:
+        """One prompt of `sampling.n` choices run alone: each choice's ids and finish reason."""
+        (done,) = self.engine.generate([prompt_ids], sampling)
+        more = [(ids, reason.value) for ids, reason in done.more_choices or []]
+        return [(done.token_ids, done.finish_reason.value), *more]

@@ -42,35 +42,65 @@ def test_choices_are_reproducible_independent_and_each_its_own_draw(
     assert engine.state()["blocks"]["free"] == 64
 
 
-def test_a_decode_engine_forks_what_it_received_once(tiny_model_dir: Path) -> None:
-    """Disaggregated: the prefill engine samples choice 0's first token and holds one copy
-    of the prompt's KV; the decode engine admits it and forks: every choice equals the
-    colocated engine's."""
-    sp = SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True, n=3)
-    (want,) = _engine(tiny_model_dir).generate([PROMPT], sp)
-    prefill, decode = _engine(tiny_model_dir), _engine(tiny_model_dir)
+def _disaggregated(model_dir: Path, sp: SamplingParams) -> list[tuple[list[int], str]]:
+    """Prefill on one engine (it samples choice 0's first token and holds one copy of the
+    prompt's KV), decode on another (it admits that and forks): each choice's tokens and
+    finish reason."""
+    prefill, decode = _engine(model_dir), _engine(model_dir)
     prefill.add_request("r", PROMPT, sp, hold_kv=True)
     first = None
     while prefill.has_work():
         for out in prefill.step():
             first = out
-    assert first is not None and first.held_blocks is not None
-    dst = decode.reserve("r", len(PROMPT))
+    assert first is not None and first.held_blocks is not None  # held, even if it stops
+    dst = decode.reserve("r", len(PROMPT), choices=sp.n)
     assert dst is not None
     decode.kv_cache[dst] = prefill.kv_cache[first.held_blocks]  # the one "transfer"
     prefill.release_held("r")
     prefill.step()
     decode.admit_prefilled("r", PROMPT, first.new_token_ids[0], sp)
-    got: dict[int, list[int]] = {0: [first.new_token_ids[0]], 1: [], 2: []}
+    got: dict[int, list[int]] = {j: [] for j in range(sp.n)}
+    got[0].append(first.new_token_ids[0])
+    reasons: dict[int, str] = {}
     while decode.has_work():
         for out in decode.step():
-            assert (out.route or out.request_id) == "r"
+            assert (out.route or out.request_id) == "r" and out.choice not in reasons
             got[out.choice] += out.new_token_ids
+            if out.finished:
+                assert out.finish_reason is not None
+                reasons[out.choice] = out.finish_reason.wire_name
         decode.check_integrity()
-    assert [got[j] for j in range(3)] == _choices(want)
     for engine in (prefill, decode):
         engine.check_integrity()
         assert engine.state()["blocks"]["free"] == 64
+    return [(got[j], reasons[j]) for j in range(sp.n)]
+
+
+def _offline(model_dir: Path, sp: SamplingParams) -> list[tuple[list[int], str]]:
+    (c,) = _engine(model_dir).generate([PROMPT], sp)
+    return [(t, r.wire_name) for t, r in [(c.token_ids, c.finish_reason), *(c.more_choices or [])]]
+
+
+def test_a_decode_engine_forks_what_it_received_once(tiny_model_dir: Path) -> None:
+    """Disaggregated, every choice equals the colocated engine's."""
+    sp = SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True, n=3)
+    assert _disaggregated(tiny_model_dir, sp) == _offline(tiny_model_dir, sp)
+
+
+@pytest.mark.parametrize("stop", ["length", "stop"])
+def test_choice_0_ending_at_its_first_token_still_forks(tiny_model_dir: Path, stop: str) -> None:
+    """The prefill node holds the KV of several choices whatever choice 0's first token is;
+    the decode node ends choice 0 at admission and decodes the others."""
+    sp = SamplingParams(temperature=0.9, seed=5, max_tokens=6, ignore_eos=True, n=3)
+    (probe,) = _engine(tiny_model_dir).generate([PROMPT], sp)
+    if stop == "length":
+        sp = sp.model_copy(update={"max_tokens": 1})
+    else:  # choice 0's first token is a stop token for this request
+        sp = sp.model_copy(update={"stop_token_ids": [probe.token_ids[0]]})
+    got = _disaggregated(tiny_model_dir, sp)
+    assert got == _offline(tiny_model_dir, sp)
+    assert got[0] == ([probe.token_ids[0]], stop)
+    assert all(len(t) >= 1 for t, _ in got[1:])
 
 
 def test_cancelling_n4_mid_stream_frees_every_block_once(tiny_model_dir: Path) -> None:
@@ -98,3 +128,23 @@ def test_cancelling_n4_mid_stream_frees_every_block_once(tiny_model_dir: Path) -
             await front.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("room", ["seqs", "blocks"])
+def test_forks_without_room_wait_and_prefill_themselves(tiny_model_dir: Path, room: str) -> None:
+    """A fork that finds the batch full (max_num_seqs) or no free block waits, and
+    prefills its prompt itself once there is room: the same draw as with room."""
+    sp = SamplingParams(temperature=0.9, seed=2, max_tokens=6, ignore_eos=True, n=4)
+    want = _offline(tiny_model_dir, sp)
+    if room == "seqs":
+        config = EngineConfig(
+            model=str(tiny_model_dir), num_blocks=64, block_size=8, max_num_seqs=2
+        )
+    else:  # the prompt's 5 blocks, one copy and the watermark: the others wait
+        config = EngineConfig(model=str(tiny_model_dir), num_blocks=8, block_size=8)
+    engine = LLMEngine(config)
+    (c,) = engine.generate([PROMPT], sp)
+    got = [(t, r.wire_name) for t, r in [(c.token_ids, c.finish_reason), *(c.more_choices or [])]]
+    assert got == want
+    engine.check_integrity()
+    assert engine.state()["blocks"]["free"] == config.num_blocks

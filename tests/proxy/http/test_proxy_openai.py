@@ -252,3 +252,46 @@ def test_a_batch_of_prompts_gives_one_choice_each_in_order(
             assert full.usage is not None and full.usage.completion_tokens == 18
             assert full.usage.prompt_tokens == sum(map(len, ids))
         assert got == want
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_the_offline_engines_each_in_order(
+    client: OpenAI, proxy: ProxyHarness, offline_engine: OfflineEngine, stream: bool
+) -> None:
+    """Issue 19: `n` choices of one prompt (one prefill, forked where it decodes): choice j
+    is the offline engine's choice j (its seed derived from the request's), on both
+    endpoints; with a batch of prompts, prompt i's choice j is choice i * n + j; usage
+    counts each prompt once and every completion."""
+    sp = SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True, n=3)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0.9, "seed": 7, "n": 3}
+    kw["extra_body"] = {"ignore_eos": True}
+
+    def choices(out: Any, chat: bool) -> list[str]:
+        if not stream:
+            assert [c.index for c in out.choices] == list(range(len(out.choices)))
+            return [c.message.content if chat else c.text for c in out.choices]
+        got: dict[int, str] = {}
+        for c in out:
+            for ch in c.choices:
+                got[ch.index] = got.get(ch.index, "") + (
+                    (ch.delta.content or "") if chat else ch.text
+                )
+        return [got[i] for i in sorted(got)]
+
+    texts = ["The quick brown fox", "Once upon a time"]
+    ids = [proxy.tokenizer.encode(t) for t in texts]
+    want = [proxy.tokenizer.decode(t) for x in ids for t, _ in offline_engine.choices(x, sp)]
+    assert len(set(want)) == 6  # independent draws
+    assert (
+        choices(client.completions.create(prompt=texts[0], stream=stream, **kw), False) == want[:3]
+    )
+    assert choices(client.completions.create(prompt=texts, stream=stream, **kw), False) == want
+    messages = [{"role": "user", "content": CHAT_PROMPT}]
+    chat_ids = proxy.tokenizer.encode_chat(messages)
+    want_chat = [proxy.tokenizer.decode(t) for t, _ in offline_engine.choices(chat_ids, sp)]
+    got = choices(client.chat.completions.create(messages=messages, stream=stream, **kw), True)
+    assert got == want_chat
+    if not stream:
+        full = client.completions.create(prompt=texts, **kw)
+        assert full.usage is not None and full.usage.completion_tokens == 6 * 6
+        assert full.usage.prompt_tokens == sum(map(len, ids))
