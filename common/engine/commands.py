@@ -18,6 +18,7 @@ class AddRequest:
 @dataclass(frozen=True)
 class AbortRequest:
     request_id: str
+    choice: int | None = None  # n > 1: that choice only
 
 
 @dataclass(frozen=True)

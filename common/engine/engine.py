@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -22,6 +21,7 @@ import torch
 
 from common.engine.block_allocator import BlockAllocator, BlockState
 from common.engine.checks import RequestChecks, RequestError, check_block_owners
+from common.engine.choices import fork_choices
 from common.engine.commands import (
     AbortRequest,
     AddRequest,
@@ -34,6 +34,7 @@ from common.engine.config import EngineConfig
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.device import resolve_device
 from common.engine.grammar import GrammarError, Grammars
+from common.engine.offline import Completion, run_offline, warm_up
 from common.engine.records import RequestRecord
 from common.engine.runner import ModelRunner
 from common.engine.scheduler import OutputKind, ScheduledBatch, Scheduler, StepOutput
@@ -41,7 +42,6 @@ from common.engine.sequence import FinishReason, SeqStatus, Sequence
 from common.model.config import ModelConfig
 from common.model.weights import load_model
 from common.text.tokenizer import Tokenizer
-from common.wire.logprobs import TokenLogprobs
 from common.wire.sampling_params import SamplingParams
 from common.wire.stage import Stage
 from kernels.dispatch import kernels_for
@@ -75,20 +75,6 @@ class StepTiming:
         if not self.num_prefill_tokens:
             return "decode"
         return "mixed" if self.num_decode else "prefill"
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One prompt's result from `LLMEngine.generate`."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # the generated tokens, a stop token included as the engine emits it
-    finish_reason: FinishReason
-    logprobs: list[TokenLogprobs] | None = None  # one per token, if the request asked
-    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., if asked
-    # sampling.n > 1: choices 1.. (token ids and finish reason each); this is choice 0.
-    more_choices: list[tuple[list[int], FinishReason]] | None = None
 
 
 class LLMEngine:
@@ -312,8 +298,10 @@ class LLMEngine:
             return record.stage
         return Stage.QUEUED if request_id in self._known_ids else None
 
-    def abort_request(self, request_id: str) -> None:
-        self._inbox.append(AbortRequest(request_id))
+    def abort_request(self, request_id: str, choice: int | None = None) -> None:
+        """Abort the request (every choice), or with `choice` that choice only (n > 1:
+        once the engine forked it; an ask before that is ignored)."""
+        self._inbox.append(AbortRequest(request_id, choice))
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise RequestError if this engine can never serve the request (checks.py)."""
@@ -349,48 +337,7 @@ class LLMEngine:
         schedules them; one Completion per prompt, in order. `on_output` sees each step's
         outputs as they come (to stream them). Nothing else may step this engine meanwhile
         (no engine thread). Raises RequestError if a prompt is refused."""
-        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [f"offline-{uuid.uuid4().hex}" for _ in prompts]
-        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
-            self.add_request(rid, list(prompt), sp)
-        want = {(rid, j) for rid, sp in zip(ids, params, strict=True) for j in range(sp.n)}
-        tokens: dict[tuple[str, int], list[int]] = {key: [] for key in want}
-        reasons: dict[tuple[str, int], FinishReason] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
-        prompt_lps: dict[str, list[TokenLogprobs] | None] = dict.fromkeys(ids)
-        for _ in range(max_steps):
-            if len(reasons) == len(want):
-                break
-            for out in self.step():
-                if on_output is not None:
-                    on_output(out)
-                key = (out.route or out.request_id, out.choice)
-                tokens[key] += out.new_token_ids
-                if out.choice == 0:
-                    logprobs[out.request_id] += out.logprobs or []
-                if out.prompt_logprobs is not None:
-                    prompt_lps[out.request_id] = out.prompt_logprobs
-                if out.finished and out.finish_reason is not None:
-                    reasons[key] = out.finish_reason
-        else:
-            raise RuntimeError(f"generate: not finished after {max_steps} steps")
-        done = []
-        for rid, p, sp in zip(ids, prompts, params, strict=True):
-            more = [(tokens[rid, j], reasons[rid, j]) for j in range(1, sp.n)] or None
-            done.append(
-                Completion(
-                    rid,
-                    list(p),
-                    tokens[rid, 0],
-                    reasons[rid, 0],
-                    logprobs[rid] or None,
-                    prompt_lps[rid],
-                    more,
-                )  # fmt: skip
-            )
-        return done
+        return run_offline(self, prompts, sampling, max_steps, on_output)
 
     def warm_up(self) -> float:
         """Run each kind of step once before serving: a prefill of more than one block with
@@ -400,27 +347,9 @@ class LLMEngine:
         forgotten and every counter and measurement (evictions, KV event numbers, prefix
         hit counts, preemptions, the prefill rate) is restored. Seconds taken. Call before
         the engine thread starts."""
-        started = time.perf_counter()
-        vocab = self.model_config.vocab_size
-        n = max(1, min(2 * self.config.block_size + 1, self.max_model_len - 4))
-        prompts = [[(7 * i + 3) % vocab for i in range(n)], [1 % vocab, 2 % vocab]]
-        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        sampled = SamplingParams(
-            temperature=0.8, top_k=8, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True
-        )
-        a, sched = self.allocator, self.scheduler
-        kept = (a.evictions, a.event_no, sched.prefix_queries, sched.prefix_hits,
-                sched.num_preemptions, self.prefill_tokens_per_s)  # fmt: skip
-        self.generate(prompts, [greedy, sampled])
-        a.reset_cache()
-        # What the warm-up measured is not the node's: a cold first prefill is no prefill
-        # rate for a router to plan with (the proxy places prompts by it).
-        (a.evictions, a.event_no, sched.prefix_queries, sched.prefix_hits,
-         sched.num_preemptions, self.prefill_tokens_per_s) = kept  # fmt: skip
+        seconds = warm_up(self)
         self._publish()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - started
+        return seconds
 
     # -- the step (engine thread) ----------------------------------------------
 
@@ -479,8 +408,12 @@ class LLMEngine:
                     rec = RequestRecord(seq.request_id, seq, transfer=transfer)
                     self._records[seq.request_id] = rec
                     self.scheduler.add(seq)
-                case AbortRequest(request_id):
-                    outputs += self._abort(request_id)
+                case AbortRequest(request_id, choice):
+                    outputs += (
+                        self._abort(request_id)
+                        if choice is None
+                        else self._abort_choice(request_id, choice)
+                    )
                 case ReleaseHeldKV(request_id):
                     record = self._records.get(request_id)
                     if record is not None and record.stage is Stage.HELD:
@@ -496,24 +429,30 @@ class LLMEngine:
     def _abort(self, request_id: str) -> list[StepOutput]:
         """Abort a request, every choice of it (n > 1) included."""
         outputs: list[StepOutput] = []
-        for j, fid in enumerate(self._forks.pop(request_id, []), start=1):
-            record = self._records.get(fid)
-            if record is not None and record.seq is not None:
-                self.scheduler.abort(record.seq)
-                self._end(fid)
-                outputs.append(
-                    StepOutput(fid, [], True, FinishReason.ABORT, choice=j, route=request_id)
-                )
+        for j in range(1, len(self._forks.pop(request_id, [])) + 1):
+            outputs += self._abort_one(f"{request_id}#{j}", j, request_id)
         return outputs + self._abort_one(request_id)
 
-    def _abort_one(self, request_id: str) -> list[StepOutput]:
+    def _abort_choice(self, request_id: str, choice: int) -> list[StepOutput]:
+        forks = self._forks.get(request_id)
+        if forks is None or choice > len(forks):  # not forked (yet), or no such choice
+            return []
+        if choice == 0:
+            return self._abort_one(request_id)
+        return self._abort_one(forks[choice - 1], choice, request_id)
+
+    def _abort_one(
+        self, request_id: str, choice: int = 0, route: str | None = None
+    ) -> list[StepOutput]:
         record = self._records.get(request_id)
         if record is None:  # already finished (or aborted), or never added
             return []
         if record.seq is not None:
             self.scheduler.abort(record.seq)
             self._end(request_id)
-            return [StepOutput(request_id, [], True, FinishReason.ABORT)]
+            return [
+                StepOutput(request_id, [], True, FinishReason.ABORT, choice=choice, route=route)
+            ]
         if record.stage is Stage.HELD and not record.pinned:
             # Aborted by a caller that never saw the hold: nothing can be transferring
             # these blocks, since no one learned of them. (Pinned ones the node learned of:
@@ -579,42 +518,19 @@ class LLMEngine:
         return [] if ended is None else [ended]
 
     def _fork(self, parent: Sequence) -> None:
-        """Make choices 1..n-1 of `parent` (which has its first token): each shares the full
-        blocks before the prompt's last position and gets its own copy of the block holding
-        it, and resumes one token before the prompt's end, so that its next step computes
-        that position again and samples its own first token (with its own seed). A fork
-        that finds no free block, or the batch full (max_num_seqs), waits, and prefills its
-        prompt itself when it can."""
-        parent.forked = True
-        bs = self.config.block_size
-        n_prompt = parent.num_prompt_tokens
-        last = (n_prompt - 1) // bs
-        prompt = parent.token_ids[:n_prompt]
-        ids = self._forks[parent.request_id] = []
-        for j in range(1, parent.sampling.n):
-            fid = f"{parent.request_id}#{j}"
+        """Make choices 1..n-1 of `parent` (common.engine.choices)."""
+
+        def new_seq(fid: str, prompt: list[int], sampling: SamplingParams) -> Sequence:
             self._arrivals += 1
-            fork = Sequence(fid, prompt, parent.sampling.for_choice(j), self._arrivals)
-            fork.choice, fork.parent_id, fork.forked = j, parent.request_id, True
-            fork.arrival_time, fork.times_reported = parent.arrival_time, True
+            fork = Sequence(fid, prompt, sampling, self._arrivals)
             self._constrain(fork)
             self._records[fid] = RequestRecord(fid, fork)
             self._known_ids.add(fid)
-            ids.append(fid)
-            full = len(self.scheduler.running) >= self.config.max_num_seqs
-            if full or not self.allocator.can_allocate(1 + self.scheduler.watermark):
-                self.scheduler.add(fork)  # it prefills (from the prefix cache) when it can
-                continue
-            shared = parent.block_table[:last]
-            self.allocator.share(shared)
-            (copy,) = self.allocator.allocate(1)
-            self.kv_cache[copy].copy_(self.kv_cache[parent.block_table[last]])
-            fork.block_table = [*shared, copy]
-            fork.num_computed_tokens = n_prompt - 1
-            fork.block_hashes = parent.block_hashes[:last]
-            fork.num_registered = min(parent.num_registered, last)
-            fork.scheduled_time = time.time()
-            self.scheduler.add_running(fork)
+            return fork
+
+        self._forks[parent.request_id] = fork_choices(
+            parent, new_seq, self.allocator, self.scheduler, self.kv_cache, self.config.max_num_seqs
+        )
 
     def _free_kept(self, record: RequestRecord) -> None:
         """Free a HELD or RESERVED block set (and its pins) and drop its record."""

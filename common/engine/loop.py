@@ -191,8 +191,8 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._thread.wake()
 
-    def abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
+    def abort(self, request_id: str, choice: int | None = None) -> None:
+        self.engine.abort_request(request_id, choice)
         self._thread.wake()
 
     def release_held(self, request_id: str) -> None:

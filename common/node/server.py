@@ -236,7 +236,11 @@ class NodeServer:
 
     async def handle_cancel(self, request: web.Request) -> web.Response:
         msg = await read_message(request, Cancel)
-        stage = await self.cancel(msg.request_id)
+        if msg.choice is not None:  # one choice of a request decoding here
+            stage = self.engine.stage_of(msg.request_id)
+            self.front.abort(msg.request_id, msg.choice)
+        else:
+            stage = await self.cancel(msg.request_id)
         if stage is not None:
             self.metrics.cancellations.labels(stage=stage.value).inc()
         return json_message(

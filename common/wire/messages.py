@@ -236,10 +236,13 @@ class Abort(Message):
 
 @register
 class Cancel(Message):
-    """Proxy -> node: the client is gone; end request_id and free what it holds."""
+    """Proxy -> node: the client is gone; end request_id and free what it holds. With
+    `choice` (a request of several, n > 1): end that choice only (the client is done with
+    it, e.g. at a stop string); the others go on."""
 
     type: Literal["cancel"] = "cancel"
     request_id: str = Field(min_length=1)
+    choice: int | None = Field(default=None, ge=0)
 
 
 @register

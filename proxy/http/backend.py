@@ -8,7 +8,7 @@ inter-stage queue -> decode pool), colocated nodes, or (in tests) an in-process 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +19,32 @@ from proxy.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
 
 
+class ChoiceEnds:
+    """A request of several choices (n > 1): the choices the HTTP layer is done with before
+    they finished (a stop string ended their text). The backend may stop generating them:
+    while a node decodes the choices, the backend `attach`es a way to end one there; an end
+    asked before that, or after, is remembered, and applied at attach."""
+
+    def __init__(self) -> None:
+        self.ended: set[int] = set()
+        self._stop: Callable[[int], None] | None = None
+
+    def end(self, choice: int) -> None:
+        if choice in self.ended:
+            return
+        self.ended.add(choice)
+        if self._stop is not None:
+            self._stop(choice)
+
+    def attach(self, stop: Callable[[int], None]) -> None:
+        self._stop = stop
+        for choice in sorted(self.ended):
+            stop(choice)
+
+    def detach(self) -> None:
+        self._stop = None
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A validated request in token space: what a backend is asked to generate."""
@@ -27,6 +53,8 @@ class GenerationRequest:
     prompt_token_ids: list[int]  # non-empty, each in [0, vocab), shorter than the context
     sampling: SamplingParams  # max_tokens already fitted to the context
     patience_s: float | None = None  # X-Request-Deadline-Ms: the longest it may wait at the edge
+    # sampling.n > 1: the choices the client is done with (the backend may stop them).
+    choice_ends: ChoiceEnds | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ Ownership: the split owns the backend stream. Whichever choice needs its next ch
 the backend (one reader at a time) and files what it reads under its choice; a choice stream
 closed early (a stop string) drops what comes for it later. The backend stream is closed once
 every choice stream is closed, or at once when it fails, and then every choice raises the
-failure.
+failure. A choice closed before its finish (its text ended at a stop string) is reported to
+the request's `ChoiceEnds`, so the backend can stop generating it.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ import asyncio
 from collections import deque
 from dataclasses import replace
 
-from proxy.http.backend import BackendError, TokenChunk, TokenStream
+from proxy.http.backend import BackendError, ChoiceEnds, TokenChunk, TokenStream
 
 
 class ChoiceSplit:
     """`n` streams, one per choice, over the backend stream `stream` of one request."""
 
-    def __init__(self, stream: TokenStream, n: int) -> None:
+    def __init__(self, stream: TokenStream, n: int, ends: ChoiceEnds | None = None) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self._stream = stream
+        self._ends = ends  # told of a choice closed before it finished
         self._queues: list[deque[TokenChunk] | None] = [deque() for _ in range(n)]
         self._lock = asyncio.Lock()  # one reader of the backend stream at a time
         self._error: BaseException | None = None
@@ -55,14 +57,17 @@ class ChoiceSplit:
             chunk = self._with_prompt_facts(chunk)
         return chunk
 
-    async def close(self, j: int) -> None:
-        """Choice `j` is done with (idempotent); the last one closed closes the backend."""
+    async def close(self, j: int, finished: bool) -> None:
+        """Choice `j` is done with (idempotent); the last one closed closes the backend, and
+        one closed before it `finished` is ended there (`ChoiceEnds`) if others go on."""
         if self._queues[j] is None:
             return
         self._queues[j] = None
         self._open -= 1
         if self._open == 0:
             await self._stream.aclose()
+        elif not finished and self._ends is not None:
+            self._ends.end(j)
 
     async def _read(self) -> None:
         """Read one backend chunk and file it under its choice (dropped if that choice's
@@ -117,5 +122,5 @@ class ChoiceStream:
         return chunk
 
     async def aclose(self) -> None:
-        self._done = True
-        await self._split.close(self._choice)
+        finished, self._done = self._done, True
+        await self._split.close(self._choice, finished)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from common.text.tokenizer import Tokenizer
-from proxy.http.backend import BackendError, TokenBackend, TokenStream
+from proxy.http.backend import BackendError, ChoiceEnds, TokenBackend, TokenStream
 from proxy.http.choices import ChoiceSplit, ChoiceStream
 from proxy.http.errors import SERVER_ERROR, ApiError, internal_error
 from proxy.http.hooks import RequestEvents
@@ -197,7 +197,9 @@ def open_choices(
     n = prep.generation.sampling.n
     if n == 1:
         return [Generation(prep, backend, tokenizer, events)]
-    split = ChoiceSplit(backend.generate(prep.generation), n)
+    ends = ChoiceEnds()
+    req = replace(prep.generation, choice_ends=ends)
+    split = ChoiceSplit(backend.generate(req), n, ends)
     return [Generation(prep, backend, tokenizer, events, s) for s in split.streams]
 
 

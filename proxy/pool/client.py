@@ -359,8 +359,8 @@ class NodeClient:
     async def extend(self, url: str, req: LeaseExtend) -> LeaseExtendResult:
         return await self._call(url, EXTEND_PATH, req, LeaseExtendResult, self._control())
 
-    async def cancel(self, url: str, request_id: str) -> CancelResult:
-        msg = Cancel(request_id=request_id)
+    async def cancel(self, url: str, request_id: str, choice: int | None = None) -> CancelResult:
+        msg = Cancel(request_id=request_id, choice=choice)
         return await self._call(url, CANCEL_PATH, msg, CancelResult, self._control())
 
     async def change_role(self, url: str, msg: RoleChange, timeout_s: float) -> RoleChangeResult:
@@ -374,10 +374,12 @@ class NodeClient:
             self._control(),
         )  # fmt: skip
 
-    def cancel_soon(self, url: str, request_id: str) -> None:
-        """Send a Cancel from a task this client owns, again with backoff while the node does
-        not answer (up to `cancel_retry_s`); failures are logged, not raised."""
-        task = asyncio.get_running_loop().create_task(self._cancel_quietly(url, request_id))
+    def cancel_soon(self, url: str, request_id: str, choice: int | None = None) -> None:
+        """Send a Cancel (of one `choice` only, if given) from a task this client owns, again
+        with backoff while the node does not answer (up to `cancel_retry_s`); failures are
+        logged, not raised."""
+        cancel = self._cancel_quietly(url, request_id, choice)
+        task = asyncio.get_running_loop().create_task(cancel)
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
@@ -509,12 +511,12 @@ class NodeClient:
         message, param, code = _error_fields(raw, resp.status)
         return _status_error(url, resp, message, param, code)
 
-    async def _cancel_quietly(self, url: str, request_id: str) -> None:
+    async def _cancel_quietly(self, url: str, request_id: str, choice: int | None) -> None:
         deadline = asyncio.get_running_loop().time() + self.timeouts.cancel_retry_s
         backoff = 0.5
         while True:
             try:
-                result = await self.cancel(url, request_id)
+                result = await self.cancel(url, request_id, choice)
             except BackendError as e:
                 # Unreachable or no answer: it may be hung or restarting; anything else (a
                 # refusal) will not change.

@@ -44,7 +44,6 @@ from typing import TypeVar
 
 from common.wire.node_messages import (
     DecodeRequest,
-    GenerateRequest,
     KVHandle,
     PrefillAccepted,
     PrefillRequest,
@@ -54,7 +53,7 @@ from common.wire.stage import Stage
 from proxy.http.backend import BackendError, GenerationRequest, NodeLost, TokenChunk, TokenStream
 from proxy.metrics import DisaggMetrics
 from proxy.pool.budget import Claim, Limits, PreDecodeBudget
-from proxy.pool.client import GENERATE_PATH, NodeClient, NodeStream, NodeUnreachable
+from proxy.pool.client import NodeClient, NodeStream, NodeUnreachable
 from proxy.pool.interstage import InterStageQueue, QueueEntry
 from proxy.pool.node_state import Node, Role
 from proxy.pool.placement import (
@@ -66,6 +65,7 @@ from proxy.pool.placement import (
 )
 from proxy.pool.prefill_stream import PrefillStream
 from proxy.pool.registry import NodeRegistry
+from proxy.pool.relay import open_generate, relay, report_stall, report_unreachable
 from proxy.pool.router import Decision, Estimate, rates
 from proxy.trace import TraceStore
 
@@ -184,9 +184,7 @@ class DisaggBackend:
             if stream is not None:
                 self.budget.release(budget_id)
                 async with aclosing(
-                    relay(
-                        stream, self.client, self.queue, traces=self.traces, choices=req.sampling.n
-                    )
+                    relay(stream, req, self.client, self.queue, traces=self.traces)
                 ) as chunks:
                     async for chunk in chunks:
                         yield chunk
@@ -287,7 +285,7 @@ class DisaggBackend:
     ) -> TokenStream:
         self.traces.record(req.request_id, "dispatched", detail=stream.url, stage=Stage.TRANSFER)
         async with aclosing(
-            relay(stream, self.client, self.queue, prefill_url, self.traces, req.sampling.n)
+            relay(stream, req, self.client, self.queue, prefill_url, self.traces)
         ) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -301,7 +299,7 @@ class DisaggBackend:
             self.metrics.migrations.labels(outcome, cause).inc()
 
     def _stalled(self, req: GenerationRequest, e: NodeLost) -> None:
-        _stalled(self.registry, self.traces, self.metrics, req.request_id, e, "decode")
+        report_stall(self.registry, self.traces, self.metrics, req.request_id, e, "decode")
 
     def _admit(self) -> None:
         """Refuse, before any prefill, what could only wait: no decode node is up. (Queued
@@ -385,7 +383,7 @@ class DisaggBackend:
                     raise
 
     def _unreachable(self, node: Node, e: NodeUnreachable, request_id: str) -> None:
-        _unreachable(self.registry, self.client, node, e, request_id)
+        report_unreachable(self.registry, self.client, node, e, request_id)
 
     async def _prefill_on(self, node: Node, msg: PrefillRequest, uncached: int) -> PrefillResult:
         """Prefill on `node`, counting the `uncached` prompt tokens it must compute as its
@@ -480,13 +478,13 @@ class ColocatedBackend:
         request is not migrated)."""
         stream = await self._open(req)
         try:
-            chunks = relay(stream, self.client, traces=self.traces, choices=req.sampling.n)
+            chunks = relay(stream, req, self.client, traces=self.traces)
             async with aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
         except NodeLost as e:
             if e.cause == "stalled":
-                _stalled(self.registry, self.traces, self.metrics, req.request_id, e, "both")
+                report_stall(self.registry, self.traces, self.metrics, req.request_id, e, "both")
             raise
 
     async def _open(self, req: GenerationRequest) -> NodeStream:
@@ -499,33 +497,10 @@ class ColocatedBackend:
             try:
                 return await open_generate(self.client, self.registry, node, req)
             except NodeUnreachable as e:
-                _unreachable(self.registry, self.client, node, e, req.request_id)
+                report_unreachable(self.registry, self.client, node, e, req.request_id)
                 tried.add(node.url)
                 if len(tried) >= self.config.node_attempts:
                     raise
-
-
-async def open_generate(
-    client: NodeClient, registry: NodeRegistry, node: Node, req: GenerationRequest
-) -> NodeStream:
-    """Open the request's whole-request stream on `node` (POST /internal/generate: it
-    prefills and decodes). NodeUnreachable if it never took the request; on any other
-    failure the node is told to cancel, unless it refused the request outright."""
-    msg = GenerateRequest(
-        request_id=req.request_id,
-        prompt_token_ids=req.prompt_token_ids,
-        sampling=req.sampling,
-        epoch=node.epoch,  # a node that changed role since: 409, NodeUnreachable
-    )
-    try:
-        stall_s = registry.stall_timeout(node.url)
-        return await client.open_stream(node.url, GENERATE_PATH, msg, req.request_id, stall_s)
-    except NodeUnreachable:
-        raise
-    except BaseException as e:
-        if not (isinstance(e, BackendError) and e.status < 500):
-            client.cancel_soon(node.url, req.request_id)
-        raise
 
 
 def _has_room(e: Estimate) -> bool:
@@ -535,32 +510,6 @@ def _has_room(e: Estimate) -> bool:
     cap = e.node.state.capacity if e.node.state is not None else None
     block_size = cap.block_size if cap is not None and cap.block_size > 0 else 16
     return slot and free >= -(-(e.uncached + 1) // block_size)
-
-
-def _stalled(
-    registry: NodeRegistry,
-    traces: TraceStore,
-    metrics: DisaggMetrics | None,
-    request_id: str,
-    e: NodeLost,
-    role: str,
-) -> None:
-    """A stream went silent: count it, trace it, and let the registry decide whether its
-    node is hung (silent to polls as well), which moves the node's other work now."""
-    if metrics is not None:
-        metrics.stalls.labels(role).inc()
-    hung = registry.stalled(e.url, e.message)
-    detail = f"{e.message}; node {'silent to polls too: marked down' if hung else 'answers polls'}"
-    traces.record(request_id, "stalled", detail=detail)
-    log.warning("%s: stream stalled: %s", request_id, detail)
-
-
-def _unreachable(
-    registry: NodeRegistry, client: NodeClient, node: Node, e: NodeUnreachable, request_id: str
-) -> None:
-    registry.report_failure(node.url, e.message)
-    if e.maybe_received:
-        client.cancel_soon(node.url, request_id)
 
 
 def _first_chunk(result: PrefillResult) -> TokenChunk:
@@ -591,44 +540,3 @@ def continuation(req: GenerationRequest, emitted: list[int], n: int) -> Generati
         prompt_token_ids=[*req.prompt_token_ids, *emitted],
         sampling=sampling,
     )
-
-
-async def relay(
-    stream: NodeStream,
-    client: NodeClient,
-    queue: InterStageQueue | None = None,
-    prefill_url: str | None = None,
-    traces: TraceStore | None = None,
-    choices: int = 1,
-) -> TokenStream:
-    """A node's token stream as TokenChunks, until each of its `choices` finished; on any
-    early end (close, error) the stream is dropped and the request cancelled on the node
-    (and on `prefill_url` while no token came, since the KV transfer may still be in
-    flight). Signals `queue` that capacity freed up."""
-    finished = received = False
-    ended: set[int] = set()
-    try:
-        while True:
-            try:
-                chunk = await stream.next_chunk()
-            finally:
-                if stream.events and traces is not None:
-                    traces.record_node(stream.request_id, stream.url, stream.events)
-                stream.events = []
-            if not received and traces is not None:
-                traces.enter(stream.request_id, Stage.DECODE)
-            received = True
-            if chunk.finish_reason is not None:
-                ended.add(chunk.choice)
-                finished = len(ended) == choices
-            yield chunk
-            if finished:
-                return
-    finally:
-        stream.close()
-        if not finished:
-            client.cancel_soon(stream.url, stream.request_id)
-            if prefill_url is not None and not received:
-                client.cancel_soon(prefill_url, stream.request_id)
-        if queue is not None:
-            queue.notify_capacity()

@@ -470,6 +470,42 @@ def test_n_choices_streamed_and_not_equal_offline_and_cancel_frees_every_block(
     cluster.wait_baseline()
 
 
+def test_a_choice_ended_by_a_stop_string_ends_on_its_node_alone(
+    cluster: Cluster, tokenizer: Tokenizer, offline_completion: Callable
+) -> None:
+    """Issue 19: of `n` choices, one whose text meets a stop string ends there (finish
+    "stop") and is cancelled on the node that decodes it, alone: the others run on to
+    their length, each the offline engine's."""
+    client = _client(cluster)
+    model = _model(client)
+    prompt = "The quick brown fox"
+    sp = SamplingParams(temperature=0.9, seed=9, max_tokens=200, ignore_eos=True, n=3)
+    done = offline_completion(tokenizer.encode(prompt), sp)
+    full = [tokenizer.decode(t) for t in [done.token_ids, *[t for t, _ in done.more_choices]]]
+    stop = next(
+        full[1][i : i + 4]
+        for i in range(1, len(full[1]) - 4)
+        if full[1][i : i + 4] not in full[0] + full[2] and full[1].index(full[1][i : i + 4]) == i
+        and "\ufffd" not in full[1][i : i + 4]
+    )  # fmt: skip
+    want = [(t, "length") if stop not in t else (t[: t.index(stop)], "stop") for t in full]
+    assert [r for _, r in want] == ["length", "stop", "length"]
+    deciders = [p for p in cluster.nodes() if not p.name.startswith("prefill")]
+
+    def cancels() -> float:
+        return sum(_metric(p.url, "pdserve_cancellations_total") for p in deciders)
+
+    before = cancels()
+    out = client.completions.create(
+        model=model, prompt=prompt, n=3, max_tokens=200, temperature=0.9, seed=9, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [(c.text, c.finish_reason) for c in out.choices] == want
+    # Choice 1 was cancelled while the others ran on (200 tokens): the node found it running.
+    assert cancels() - before == 1  # choice 1, on the node decoding it; no whole cancel
+    cluster.wait_baseline()
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens(
     cluster: Cluster, tokenizer: Tokenizer
 ) -> None:

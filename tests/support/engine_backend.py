@@ -20,6 +20,8 @@ class EngineBackend:
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
         outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling)
+        if req.choice_ends is not None:  # choices the client is done with end here
+            req.choice_ends.attach(lambda j: self.engine.abort(req.request_id, j))
         try:
             async for out in outputs:
                 yield _chunk(out)

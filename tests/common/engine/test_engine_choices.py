@@ -148,3 +148,30 @@ def test_forks_without_room_wait_and_prefill_themselves(tiny_model_dir: Path, ro
     assert got == want
     engine.check_integrity()
     assert engine.state()["blocks"]["free"] == config.num_blocks
+
+
+@pytest.mark.parametrize("ended", [0, 2])
+def test_one_choice_aborted_alone_the_others_go_on(tiny_model_dir: Path, ended: int) -> None:
+    """A choice the client is done with (a stop string) is aborted alone: it ends with
+    ABORT and its blocks go back, the other choices are the draws they were."""
+    sp = SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True, n=3)
+    want = _offline(tiny_model_dir, sp)
+    engine = _engine(tiny_model_dir)
+    engine.abort_request("r", 1)  # before the fork: ignored
+    engine.add_request("r", PROMPT, sp)
+    got: dict[int, list[int]] = {j: [] for j in range(3)}
+    reasons: dict[int, str] = {}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.choice] += out.new_token_ids
+            if out.finished:
+                assert out.finish_reason is not None
+                reasons[out.choice] = out.finish_reason.wire_name
+            if len(got[ended]) == 3 and ended not in reasons:
+                engine.abort_request("r", ended)
+        engine.check_integrity()
+    assert reasons[ended] == "abort" and got[ended] == want[ended][0][:3]
+    for j in {0, 1, 2} - {ended}:
+        assert (got[j], reasons[j]) == want[j]
+    assert engine.state()["blocks"]["free"] == 64
+    assert not any(engine.state()["requests"].values())
