@@ -295,3 +295,23 @@ def test_n_choices_are_the_offline_engines_each_in_order(
         full = client.completions.create(prompt=texts, **kw)
         assert full.usage is not None and full.usage.completion_tokens == 6 * 6
         assert full.usage.prompt_tokens == sum(map(len, ids))
+
+
+def test_n_choices_each_carry_their_own_logprobs_and_echo(
+    client: OpenAI, proxy: ProxyHarness
+) -> None:
+    """Issue 19: with `n`, every choice has its own tokens' logprobs, and `echo` returns the
+    prompt (and its logprobs, computed once) in front of each."""
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 5, "temperature": 0.9, "seed": 3}
+    kw["extra_body"] = {"ignore_eos": True}
+    out = client.completions.create(prompt=TEXT_PROMPT, n=2, logprobs=2, echo=True, **kw)
+    assert [c.index for c in out.choices] == [0, 1]
+    n_prompt = len(proxy.tokenizer.encode(TEXT_PROMPT))
+    for c in out.choices:
+        lp = c.logprobs
+        assert lp is not None and c.text.startswith(TEXT_PROMPT)
+        assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 5
+        assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
+    first, second = (c.logprobs for c in out.choices)
+    assert first.token_logprobs[:n_prompt] == second.token_logprobs[:n_prompt]
+    assert first.tokens[n_prompt:] != second.tokens[n_prompt:]
