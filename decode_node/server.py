@@ -95,6 +95,7 @@ class DecodeNode(TransferNode):
         self.check_admitting()
         received = time.time()
         msg = await read_message(request, DecodeRequest)
+        await self.front.compile_constraint(msg.sampling)
         # Everything the handle and the request claim is checked here, before any block is
         # reserved or any byte reaches the engine thread.
         self.engine.validate_prefilled(

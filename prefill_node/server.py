@@ -111,6 +111,7 @@ class PrefillNode(TransferNode):
         self.check_admitting()
         received = time.time()
         msg = await read_message(request, PrefillRequest)
+        await self.front.compile_constraint(msg.sampling)
         outputs = self.front.generate(
             msg.request_id, msg.prompt_token_ids, msg.sampling, hold_kv=True
         )
@@ -187,6 +188,7 @@ class PrefillNode(TransferNode):
         self.check_admitting()
         received = time.time()
         msg = await read_message(request, PrefillRequest)
+        await self.front.compile_constraint(msg.sampling)
         n = len(msg.prompt_token_ids)
         lease = Lease.grant(msg.request_id, [], msg.lease_s)
         entry = HeldKV.streamed(msg.request_id, -(-n // self.engine.config.block_size), n, lease)

@@ -15,7 +15,7 @@ from common.engine.block_allocator import BlockAllocator, BlockState
 from common.engine.grammar import GrammarError, Grammars
 from common.engine.records import RequestRecord
 from common.engine.sequence import Sequence
-from common.wire.sampling_params import SamplingParams
+from common.wire.sampling_params import SamplingParams, StructuredOutput
 from common.wire.stage import Stage
 
 
@@ -49,10 +49,14 @@ class RequestChecks:
                 f"{self.capacity_tokens}"
             )
         if sampling.structured is not None:
-            try:
-                self.grammars().compile(sampling.structured)
-            except GrammarError as e:
-                raise RequestError(str(e)) from None
+            self.constraint(sampling.structured)
+
+    def constraint(self, spec: StructuredOutput) -> None:
+        """The constraint compiles (xgrammar caches it)."""
+        try:
+            self.grammars().compile(spec)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def prefilled(
         self,

@@ -11,6 +11,7 @@ snapshot the engine thread published last. Nothing in a step waits on I/O.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from common.engine.sequence import FinishReason, SeqStatus, Sequence
 from common.model.config import ModelConfig
 from common.model.weights import load_model
 from common.text.tokenizer import Tokenizer
-from common.wire.sampling_params import SamplingParams
+from common.wire.sampling_params import SamplingParams, StructuredOutput
 from common.wire.stage import Stage
 from kernels.dispatch import kernels_for
 
@@ -140,6 +141,7 @@ class LLMEngine:
         # Called on the engine thread after every step that ran a batch (node metrics).
         self.on_step: Callable[[StepTiming], None] | None = None
         self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self._checks = RequestChecks(
             self.model_config.vocab_size,
             self.max_model_len,
@@ -263,12 +265,14 @@ class LLMEngine:
 
     @property
     def grammars(self) -> Grammars:
-        """Structured output's compiler for this model (made on first use)."""
-        if self._grammars is None:
-            tokenizer = Tokenizer.from_dir(self.config.model)
-            eos = self.model_config.eos_token_ids
-            self._grammars = Grammars(tokenizer, self.model_config.vocab_size, eos)
-        return self._grammars
+        """Structured output's compiler for this model (made on first use, by whichever
+        thread needs it first)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                tokenizer = Tokenizer.from_dir(self.config.model)
+                eos = self.model_config.eos_token_ids
+                self._grammars = Grammars(tokenizer, self.model_config.vocab_size, eos)
+            return self._grammars
 
     def _constrain(self, seq: Sequence) -> None:
         """Give a constrained sequence its matcher, fed its output so far; RequestError if
@@ -319,6 +323,10 @@ class LLMEngine:
         self._checks.prefilled(
             prompt_token_ids, first_token_id, sampling, kv_num_tokens, kv_num_blocks
         )
+
+    def compile_constraint(self, spec: StructuredOutput) -> None:
+        """Compile `spec` (any thread; cached): RequestError if it does not compile."""
+        self._checks.constraint(spec)
 
     def check_token(self, token_id: int) -> None:
         """A first token sampled elsewhere must be in this model's vocabulary."""

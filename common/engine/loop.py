@@ -117,6 +117,13 @@ class AsyncEngine:
     async def stop(self) -> None:
         await asyncio.to_thread(self._thread.stop)
 
+    async def compile_constraint(self, sampling: SamplingParams) -> None:
+        """Compile a constrained request's grammar on a worker thread (RequestError if it
+        does not compile), so that the checks `generate` makes on the caller's thread find
+        it compiled: a new schema (and xgrammar's first load) never stalls this loop."""
+        if sampling.structured is not None:
+            await asyncio.to_thread(self.engine.compile_constraint, sampling.structured)
+
     def generate(
         self,
         request_id: str,

@@ -261,6 +261,7 @@ class NodeServer:
         self.check_admitting()
         received = time.time()
         msg = await read_message(request, GenerateRequest)
+        await self.front.compile_constraint(msg.sampling)
         outputs = self.front.generate(msg.request_id, msg.prompt_token_ids, msg.sampling)
         self.metrics.requests.labels(outcome="admitted").inc()
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
+import pytest
+
+from common.engine.checks import RequestError
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.loop import AsyncEngine
-from common.wire.sampling_params import SamplingParams
+from common.wire.sampling_params import SamplingParams, StructuredOutput
 
 
 def test_async_engine_streams_and_aborts(tiny_model_dir: Path) -> None:
@@ -43,3 +47,30 @@ def test_async_engine_streams_and_aborts(tiny_model_dir: Path) -> None:
         engine.check_integrity()
 
     asyncio.run(run())
+
+
+def test_a_constraint_compiles_off_the_event_loop(tiny_model_dir: Path) -> None:
+    """A new grammar (and xgrammar's first load) compiles on a worker thread, so the loop
+    that relays every stream of the node never waits for it; one that does not compile is
+    refused there, before the request reaches the engine."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
+    threads: list[int] = []
+    compile_constraint = engine.compile_constraint
+
+    def spy(spec: StructuredOutput) -> None:
+        threads.append(threading.get_ident())
+        compile_constraint(spec)
+
+    engine.compile_constraint = spy  # type: ignore[method-assign]
+
+    async def run() -> None:
+        front = AsyncEngine(engine, asyncio.get_running_loop())
+        schema = StructuredOutput(kind="regex", spec="(yes|no)")
+        await front.compile_constraint(SamplingParams(max_tokens=3, structured=schema))
+        await front.compile_constraint(SamplingParams(max_tokens=3))  # unconstrained: nothing
+        bad = StructuredOutput(kind="regex", spec="(unclosed")
+        with pytest.raises(RequestError):
+            await front.compile_constraint(SamplingParams(max_tokens=3, structured=bad))
+
+    asyncio.run(run())
+    assert len(threads) == 2 and threading.get_ident() not in threads

@@ -21,13 +21,8 @@ from common.wire.node_messages import (
 )
 from common.wire.sampling_params import SamplingParams
 from proxy.http.backend import BackendError, NodeLost, TokenChunk
-from proxy.pool.client import (
-    GENERATE_PATH,
-    MAX_LINE_BYTES,
-    NodeClient,
-    NodeTimeouts,
-    NodeUnreachable,
-)
+from proxy.pool.client import GENERATE_PATH, NodeClient, NodeTimeouts, NodeUnreachable
+from proxy.pool.node_stream import MAX_LINE_BYTES
 
 SP = SamplingParams(temperature=0.0, max_tokens=4)
 
