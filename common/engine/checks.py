@@ -15,12 +15,17 @@ from common.engine.block_allocator import BlockAllocator, BlockState
 from common.engine.grammar import GrammarError, Grammars
 from common.engine.records import RequestRecord
 from common.engine.sequence import Sequence
-from common.wire.sampling_params import SamplingParams, StructuredOutput
+from common.wire.sampling_params import CONSTRAINT_PARAM, SamplingParams, StructuredOutput
 from common.wire.stage import Stage
 
 
 class RequestError(ValueError):
-    """A request the engine refuses (bad length, duplicate id): the client's fault."""
+    """A request the engine refuses (bad length, duplicate id): the client's fault.
+    `param`: the request field at fault, as the node's API names it, if one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class RequestChecks:
         try:
             self.grammars().compile(spec)
         except GrammarError as e:
-            raise RequestError(str(e)) from None
+            raise RequestError(str(e), param=CONSTRAINT_PARAM) from None
 
     def prefilled(
         self,

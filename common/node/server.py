@@ -450,7 +450,7 @@ async def stream_outputs(
 
 
 def request_error(e: RequestError) -> ApiError:
-    return invalid_request(str(e))
+    return invalid_request(str(e), param=e.param)
 
 
 @web.middleware

@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from common.wire.logprobs import MAX_TOP_LOGPROBS
 
 MAX_CHOICES = 16
+# What a node's 400 names as its `param` when the output constraint is at fault; the proxy
+# renames it to the field of the client's request the constraint came from.
+CONSTRAINT_PARAM = "sampling.structured"
 
 
 class StructuredOutput(BaseModel):

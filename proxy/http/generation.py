@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from common.text.tokenizer import Tokenizer
+from common.wire.sampling_params import CONSTRAINT_PARAM
 from proxy.http.backend import BackendError, ChoiceEnds, TokenBackend, TokenStream
 from proxy.http.choices import ChoiceSplit, ChoiceStream
 from proxy.http.errors import SERVER_ERROR, ApiError, internal_error
@@ -89,6 +90,10 @@ class Generation:
             chunk = await anext(self._tokens)
         except StopAsyncIteration:
             raise BackendError.failed("the backend ended the stream without finishing") from None
+        except BackendError as e:
+            if e.param == CONSTRAINT_PARAM:  # the node's name for it: the client's field
+                e.param = self.prep.constraint_param
+            raise
         self.arrived = chunk.arrived
         self.events.tokens(len(chunk.token_ids))
         delta = self.text.push(chunk)

@@ -35,6 +35,7 @@ class PreparedRequest:
     # A batch of prompts: the other prompts' requests, choices 1.. (this one is choice 0).
     also: tuple[PreparedRequest, ...] = ()
     tool_call: str | None = None  # chat: the output is tool calls ("required", or a name)
+    constraint_param: str | None = None  # the field the output constraint came from
 
     @property
     def request_id(self) -> str:
@@ -183,6 +184,7 @@ class RequestPreparer:
             stop=req.stop_strings,
             stream=req.stream,
             include_usage=req.include_usage,
+            constraint_param=req.constraint_param if structured is not None else None,
         )
 
     def _encode_chat_text(self, text: str) -> list[int]:

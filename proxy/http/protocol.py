@@ -60,6 +60,9 @@ class StreamOptions(_Request):
     include_obfuscation: bool = True  # advisory: no obfuscation padding is sent
 
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class GenerationParams(_Request):
     """Fields shared by both endpoints."""
 
@@ -155,6 +158,11 @@ class GenerationParams(_Request):
     def structured_output(self) -> StructuredOutput | None:
         """The constraint on the output, if the request sets one."""
         return self._guided()
+
+    @property
+    def constraint_param(self) -> str | None:
+        """The field the output constraint comes from (an error about it names this)."""
+        return next((n for n in GUIDED_FIELDS if getattr(self, n) is not None), None)
 
     def _guided(self) -> StructuredOutput | None:
         given = [
@@ -412,6 +420,14 @@ class ChatCompletionRequest(GenerationParams):
         if self.parallel_tool_calls is False:
             array["maxItems"] = 1
         return StructuredOutput(kind="json", spec=json.dumps(array), strict=False)
+
+    @property
+    def constraint_param(self) -> str | None:
+        if self.tool_mode not in (None, "auto"):
+            return "tools"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format"
+        return super().constraint_param
 
     @property
     def structured_output(self) -> StructuredOutput | None:

@@ -271,17 +271,21 @@ def test_structured_output_constrains_every_token(cluster: Cluster) -> None:
             obj = json.loads(text)
             assert set(obj) == {"color", "ok"} and obj["color"] in ("red", "green"), text
             assert isinstance(obj["ok"], bool) and reason == "stop"
-    for bad in (
-        {"extra_body": {"guided_regex": "a(b"}},
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "bogus"}},
-            }
-        },
+    for bad, param in (
+        ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "response_format",
+        ),
     ):
-        with pytest.raises(openai.BadRequestError, match="does not compile"):
+        with pytest.raises(openai.BadRequestError, match="does not compile") as refused:
             client.chat.completions.create(**common, **bad)  # type: ignore[call-overload]
+        assert refused.value.param == param  # the client's field, not the node's name for it
     cluster.wait_baseline()
 
 

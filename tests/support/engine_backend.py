@@ -19,14 +19,18 @@ class EngineBackend:
         self.engine = engine
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
-        outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling)
+        try:  # as a node takes a request: the constraint compiled first, off the loop
+            await self.engine.compile_constraint(req.sampling)
+            outputs = self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling)
+        except RequestError as e:
+            raise BackendError.refused(str(e), param=e.param) from e
         if req.choice_ends is not None:  # choices the client is done with end here
             req.choice_ends.attach(lambda j: self.engine.abort(req.request_id, j))
         try:
             async for out in outputs:
                 yield _chunk(out)
         except RequestError as e:
-            raise BackendError.refused(str(e)) from e
+            raise BackendError.refused(str(e), param=e.param) from e
         except RuntimeError as e:  # AsyncEngine: the engine thread died
             raise BackendError.failed(f"the engine failed: {e}") from e
         finally:

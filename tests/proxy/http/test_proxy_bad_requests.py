@@ -303,3 +303,36 @@ def test_fuzzed_requests_never_5xx(
     if status >= 400:
         assert set(resp["error"]) == {"message", "type", "param", "code"}
     proxy.wait_idle()
+
+
+_BOGUS = {"type": "bogus"}
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        (COMPLETIONS, {"guided_regex": "a(b"}, "guided_regex"),
+        (COMPLETIONS, {"guided_json": _BOGUS}, "guided_json"),
+        (CHAT, {"guided_grammar": "root ::= (("}, "guided_grammar"),
+        (
+            CHAT,
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": _BOGUS}}},
+            "response_format",
+        ),
+        (
+            CHAT,
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": _BOGUS}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ],
+)
+def test_a_constraint_that_does_not_compile_names_the_field_it_came_from(
+    proxy: ProxyHarness, path: str, fields: dict[str, Any], param: str
+) -> None:
+    """The engine finds the constraint does not compile; the 400 names the client's field."""
+    body = {**(OK_CHAT if path == CHAT else OK_COMPLETION), **fields}
+    message = assert_error(post(proxy, path, body), 400, param)
+    assert "does not compile" in message
