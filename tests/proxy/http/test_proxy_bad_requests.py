@@ -333,6 +333,8 @@ def test_a_constraint_that_does_not_compile_names_the_field_it_came_from(
     proxy: ProxyHarness, path: str, fields: dict[str, Any], param: str
 ) -> None:
     """The engine finds the constraint does not compile; the 400 names the client's field."""
-    body = {**(OK_CHAT if path == CHAT else OK_COMPLETION), **fields}
-    message = assert_error(post(proxy, path, body), 400, param)
-    assert "does not compile" in message
+    for n in (1, 3):  # one backend stream, split into n choices: refused before any
+        body = {**(OK_CHAT if path == CHAT else OK_COMPLETION), **fields, "n": n}
+        for stream in (False, True):
+            message = assert_error(post(proxy, path, {**body, "stream": stream}), 400, param)
+            assert "does not compile" in message
