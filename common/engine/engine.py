@@ -150,6 +150,7 @@ class LLMEngine:
             lambda: self.grammars,
         )
         self._forks: dict[str, list[str]] = {}  # request id -> its choices' ids (n > 1)
+        self._early_ends: dict[str, set[int]] = {}  # choices aborted before their fork
         self.scheduler.on_fork = self._fork
         self._publish()
 
@@ -443,7 +444,11 @@ class LLMEngine:
 
     def _abort_choice(self, request_id: str, choice: int) -> list[StepOutput]:
         forks = self._forks.get(request_id)
-        if forks is None or choice > len(forks):  # not forked (yet), or no such choice
+        if forks is None:  # not forked yet (a decode node receiving its KV): at the fork
+            if request_id in self._records:
+                self._early_ends.setdefault(request_id, set()).add(choice)
+            return []
+        if choice > len(forks):  # no such choice
             return []
         if choice == 0:
             return self._abort_one(request_id)
@@ -523,7 +528,11 @@ class LLMEngine:
             return []
         self._fork(seq)  # the prompt's KV came once, for every choice
         ended = self.scheduler.stop_at_admission(seq)  # choice 0 ended at its first token
-        return [] if ended is None else [ended]
+        outputs = [] if ended is None else [ended]
+        for j in sorted(self._early_ends.pop(seq.request_id, ())):
+            if j or ended is None:
+                outputs += self._abort_choice(seq.request_id, j)
+        return outputs
 
     def _fork(self, parent: Sequence) -> None:
         """Make choices 1..n-1 of `parent` (common.engine.choices)."""
@@ -549,6 +558,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._records.pop(request_id, None)
+        self._early_ends.pop(request_id, None)
         self._known_ids.discard(request_id)
 
     def _measure(self, prefill_tokens: int, seconds: float) -> None:

@@ -175,3 +175,35 @@ def test_one_choice_aborted_alone_the_others_go_on(tiny_model_dir: Path, ended: 
         assert (got[j], reasons[j]) == want[j]
     assert engine.state()["blocks"]["free"] == 64
     assert not any(engine.state()["requests"].values())
+
+
+def test_a_choice_aborted_before_the_fork_ends_at_it(tiny_model_dir: Path) -> None:
+    """A decode node told to end a choice while the request's KV is still landing (the
+    client met a stop string in choice 0's first token, which came from the prefill node)
+    ends that choice when it forks, not after max_tokens; the others are unchanged."""
+    sp = SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True, n=3)
+    want = _offline(tiny_model_dir, sp)
+    prefill, decode = _engine(tiny_model_dir), _engine(tiny_model_dir)
+    prefill.add_request("r", PROMPT, sp, hold_kv=True)
+    first = None
+    while prefill.has_work():
+        for out in prefill.step():
+            first = out
+    assert first is not None and first.held_blocks is not None
+    dst = decode.reserve("r", len(PROMPT), choices=3)
+    assert dst is not None
+    decode.abort_request("r", 0)  # RESERVED: remembered for the fork
+    decode.kv_cache[dst] = prefill.kv_cache[first.held_blocks]
+    decode.admit_prefilled("r", PROMPT, first.new_token_ids[0], sp)
+    got: dict[int, list[int]] = {0: [first.new_token_ids[0]], 1: [], 2: []}
+    reasons: dict[int, str] = {}
+    while decode.has_work():
+        for out in decode.step():
+            got[out.choice] += out.new_token_ids
+            if out.finished:
+                assert out.finish_reason is not None and out.choice not in reasons
+                reasons[out.choice] = out.finish_reason.wire_name
+    assert (got[0], reasons[0]) == ([first.new_token_ids[0]], "abort")
+    assert [(got[j], reasons[j]) for j in (1, 2)] == want[1:]
+    decode.check_integrity()
+    assert decode.state()["blocks"]["free"] == 64
