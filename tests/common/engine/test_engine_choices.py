@@ -6,6 +6,7 @@ draw its own parameters would make alone, and free every block when they end or 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,10 +43,12 @@ def test_choices_are_reproducible_independent_and_each_its_own_draw(
     assert engine.state()["blocks"]["free"] == 64
 
 
-def _disaggregated(model_dir: Path, sp: SamplingParams) -> list[tuple[list[int], str]]:
+def _disaggregated(
+    model_dir: Path, sp: SamplingParams, while_landing: Callable[[LLMEngine], None] | None = None
+) -> list[tuple[list[int], str]]:
     """Prefill on one engine (it samples choice 0's first token and holds one copy of the
     prompt's KV), decode on another (it admits that and forks): each choice's tokens and
-    finish reason."""
+    finish reason. `while_landing(decode)` runs between the reservation and the admission."""
     prefill, decode = _engine(model_dir), _engine(model_dir)
     prefill.add_request("r", PROMPT, sp, hold_kv=True)
     first = None
@@ -55,6 +58,8 @@ def _disaggregated(model_dir: Path, sp: SamplingParams) -> list[tuple[list[int],
     assert first is not None and first.held_blocks is not None  # held, even if it stops
     dst = decode.reserve("r", len(PROMPT), choices=sp.n)
     assert dst is not None
+    if while_landing is not None:
+        while_landing(decode)
     decode.kv_cache[dst] = prefill.kv_cache[first.held_blocks]  # the one "transfer"
     prefill.release_held("r")
     prefill.step()
@@ -183,27 +188,6 @@ def test_a_choice_aborted_before_the_fork_ends_at_it(tiny_model_dir: Path) -> No
     ends that choice when it forks, not after max_tokens; the others are unchanged."""
     sp = SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True, n=3)
     want = _offline(tiny_model_dir, sp)
-    prefill, decode = _engine(tiny_model_dir), _engine(tiny_model_dir)
-    prefill.add_request("r", PROMPT, sp, hold_kv=True)
-    first = None
-    while prefill.has_work():
-        for out in prefill.step():
-            first = out
-    assert first is not None and first.held_blocks is not None
-    dst = decode.reserve("r", len(PROMPT), choices=3)
-    assert dst is not None
-    decode.abort_request("r", 0)  # RESERVED: remembered for the fork
-    decode.kv_cache[dst] = prefill.kv_cache[first.held_blocks]
-    decode.admit_prefilled("r", PROMPT, first.new_token_ids[0], sp)
-    got: dict[int, list[int]] = {0: [first.new_token_ids[0]], 1: [], 2: []}
-    reasons: dict[int, str] = {}
-    while decode.has_work():
-        for out in decode.step():
-            got[out.choice] += out.new_token_ids
-            if out.finished:
-                assert out.finish_reason is not None and out.choice not in reasons
-                reasons[out.choice] = out.finish_reason.wire_name
-    assert (got[0], reasons[0]) == ([first.new_token_ids[0]], "abort")
-    assert [(got[j], reasons[j]) for j in (1, 2)] == want[1:]
-    decode.check_integrity()
-    assert decode.state()["blocks"]["free"] == 64
+    got = _disaggregated(tiny_model_dir, sp, lambda decode: decode.abort_request("r", 0))
+    assert got[0] == (want[0][0][:1], "abort")
+    assert got[1:] == want[1:]
