@@ -440,26 +440,28 @@ def test_n_choices_streamed_and_not_equal_offline_and_cancel_frees_every_block(
         chat = client.chat.completions.create(messages=messages, stream=stream, **common)
         assert texts(chat, stream, True) == want_chat, stream
 
-    def counts() -> tuple[float, float]:  # prompts prefilled, KV blocks decode nodes got
+    def counts() -> list[float]:
+        """Prompts prefilled on prefill nodes, KV blocks decode nodes got, requests decode
+        nodes took, prompts the proxy placed on a decode node (prefilled there)."""
         nodes = cluster.nodes()
-        prefilled = sum(
-            _metric(p.url, "pdserve_node_requests_total", outcome="prefilled") for p in nodes
-        )
-        blocks = sum(
-            _metric(p.url, name)
-            for p in nodes
-            if p.name.startswith("decode")
-            for name in ("pdserve_kv_blocks_transferred_total", "pdserve_kv_blocks_cached_total")
-        )
-        return prefilled, blocks
+        decode = [p for p in nodes if p.name.startswith("decode")]
+        kv = ("pdserve_kv_blocks_transferred_total", "pdserve_kv_blocks_cached_total")
+        assert cluster.proxy is not None
+        return [
+            sum(_metric(p.url, "pdserve_node_requests_total", outcome="prefilled") for p in nodes),
+            sum(_metric(p.url, name) for p in decode for name in kv),
+            sum(_metric(p.url, "pdserve_node_requests_total", outcome="admitted") for p in decode),
+            _metric(cluster.proxy.url, "pdserve_proxy_placements_total", placement="local"),
+        ]
 
-    fresh = "A prompt no node has seen, of several choices"  # (a cached one may go local)
+    fresh = "A prompt no node has seen, of several choices"
     before = counts()
     full = client.completions.create(prompt=fresh, **common)
-    after = counts()
-    if any(p.name.startswith("decode") for p in cluster.nodes()):
+    delta = [a - b for a, b in zip(counts(), before, strict=True)]
+    if any(p.name.startswith("decode") for p in cluster.nodes()):  # one request, n choices
         n_blocks = -(-len(tokenizer.encode(fresh)) // 16)  # one prompt's KV, moved once
-        assert (after[0] - before[0], after[1] - before[1]) == (1, n_blocks)
+        local = delta[3] == 1  # conditional disaggregation placed it on the decode node
+        assert delta == ([0, 0, 1, 1] if local else [1, n_blocks, 1, 0]), delta
     assert [c.finish_reason for c in full.choices] == ["length"] * 3
     assert full.usage is not None and full.usage.completion_tokens == 30
     assert full.usage.prompt_tokens == len(tokenizer.encode(fresh))
