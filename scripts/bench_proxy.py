@@ -55,7 +55,7 @@ from up_service import get, histogram_quantile  # noqa: E402
 
 from common.cli.models import model_dir  # noqa: E402
 from common.text.tokenizer import Tokenizer  # noqa: E402
-from proxy.bench.standin import StandInNode  # noqa: E402
+from proxy.bench.standin_process import StandInProcess  # noqa: E402
 
 TEXT = (
     " The proxy relays every token of every stream to its client as a server sent event,"
@@ -333,7 +333,7 @@ class Bench:
         self,
         proxies: list[ProxyProcess],
         model: str,
-        decode: StandInNode,
+        standins: StandInProcess,
         timeout_s: float,
         pieces: list[str],
     ) -> None:
@@ -342,7 +342,7 @@ class Bench:
         self.proxies = proxies
         self.pools = [Pool(p.url) for p in proxies]
         self.model = model
-        self.decode = decode
+        self.standins = standins
         self.timeout_s = timeout_s
         self._next = 0
 
@@ -378,8 +378,7 @@ class Bench:
         """`rate` requests/s for `duration_s` (a bounded count, evenly spaced); also each
         token's relay time (stand-in write to client read), seconds."""
         count = max(1, int(rate * duration_s))
-        self.decode.written.clear()
-        self.decode.record_writes = True
+        self.standins.record_writes()
         tasks: list[asyncio.Task[Outcome]] = []
         cpu0, t0 = self._cpu(), time.monotonic()
         try:
@@ -393,11 +392,11 @@ class Bench:
         finally:
             for task in tasks:
                 task.cancel()
-            self.decode.record_writes = False
+            writes = self.standins.written()
         result = PhaseResult("latency", time.monotonic() - t0, self._cpu() - cpu0, outcomes)
         relay: list[float] = []
         for o in result.done:
-            written = self.decode.written.get(o.request_id, [])
+            written = writes.get(o.request_id, [])
             for arrived, chars in o.arrivals:
                 # The stream's tokens are self.pieces in order (the first from the prefill,
                 # then decode line i carries token i + 1); an event may carry several (the
@@ -428,8 +427,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     model = model_dir(args.model)
     tokenizer = Tokenizer.from_dir(model)
     tokens = stream_tokens(tokenizer)
-    prefill = StandInNode("prefill", tokens)
-    decode = StandInNode("decode", tokens)
     cores = _cores()
     pinned = len(cores) > 1
     proxy_cores = [cores[(args.proxy_core + i) % len(cores)] for i in range(args.proxies)]
@@ -437,13 +434,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if pinned:
         os.sched_setaffinity(0, client_cores)
     proxies: list[ProxyProcess] = []
+    standins: StandInProcess | None = None
     try:
-        await prefill.start()
-        await decode.start()
+        standins = StandInProcess(tokens)  # on the client's cores (the affinity is inherited)
         for core in proxy_cores:
             pc = core if pinned else None
             profile = args.proxy_profile if not proxies else None
-            proxies.append(await start_proxy(model, prefill.url, decode.url, pc, profile))
+            proxies.append(
+                await start_proxy(model, standins.prefill_url, standins.decode_url, pc, profile)
+            )
         timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for proxy in proxies:
@@ -451,23 +450,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with session.get(proxies[0].url + "/v1/models") as resp:
                 served = (await resp.json())["data"][0]["id"]
         pieces = [tokenizer.decode([t]) for t in tokens]
-        bench = Bench(proxies, served, decode, args.request_timeout_s, pieces)
+        bench = Bench(proxies, served, standins, args.request_timeout_s, pieces)
         try:
             await bench.closed_loop("warm-up", 8, 16, min(2.0, args.duration_s))
-            return await _phases(args, bench, decode, proxy_cores if pinned else [])
+            return await _phases(args, bench, standins, proxy_cores if pinned else [])
         finally:
             bench.close()
     finally:
         for proxy in proxies:
             proxy.stop()
-        await decode.stop()
-        await prefill.stop()
+        if standins is not None:
+            standins.stop()
         if pinned:
             os.sched_setaffinity(0, cores)
 
 
 async def _phases(
-    args: argparse.Namespace, bench: Bench, decode: StandInNode, proxy_cores: list[int]
+    args: argparse.Namespace, bench: Bench, standins: StandInProcess, proxy_cores: list[int]
 ) -> dict[str, Any]:
     phases = {name.strip() for name in args.phases.split(",") if name.strip()}
     report: dict[str, Any] = {
@@ -478,7 +477,7 @@ async def _phases(
         "phases": {},
     }
     if "throughput" in phases:
-        decode.token_interval_s = 0.0
+        standins.set_token_interval(0.0)
         r = await bench.closed_loop("throughput", args.streams, args.output_tokens, args.duration_s)
         report["phases"]["throughput"] = {
             "streams": args.streams, "output_tokens": args.output_tokens, **r.summary(),
@@ -486,13 +485,13 @@ async def _phases(
         report["tokens_per_s"] = r.summary()["tokens_per_s"]
         report["tokens_per_s_per_proxy_core"] = r.summary()["tokens_per_s_per_proxy_core"]
     if "requests" in phases:
-        decode.token_interval_s = 0.0
+        standins.set_token_interval(0.0)
         r = await bench.closed_loop("requests", args.streams, 2, args.duration_s)
         report["phases"]["requests"] = {"streams": args.streams, "output_tokens": 2, **r.summary()}
         report["requests_per_s"] = r.summary()["requests_per_s"]
         report["requests_per_s_per_proxy_core"] = r.summary()["requests_per_s_per_proxy_core"]
     if "latency" in phases:
-        decode.token_interval_s = args.token_interval_ms / 1000
+        standins.set_token_interval(args.token_interval_ms / 1000)
         scrape = bench.proxies[0].url + "/metrics"
         before = await asyncio.to_thread(get, scrape)
         r, relay = await bench.open_loop(args.rate, 16, args.duration_s)
