@@ -8,7 +8,9 @@ the latency the proxy adds. THE NODES ARE STAND-INS that answer instantly
 
 The proxy runs as its own process (`pdserve proxy`, the real one, in front of one prefill
 and one decode stand-in), pinned to core K when the machine has more than one; this
-process runs the stand-ins and the client on the other cores. Three phases of S seconds:
+process runs the client, and a child process of its own the stand-ins
+(`proxy.bench.standin_process`: in one event loop with the client, an answer waited behind
+the client's reads), on the other cores. Three phases of S seconds:
 
 - throughput: C streams at once, closed loop, N output tokens each: relayed tokens/s;
 - requests: C streams at once, closed loop, 2 output tokens each (a prefill call, a decode
