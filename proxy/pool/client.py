@@ -126,7 +126,13 @@ class NodeClient:
         connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s)
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, headers=self._headers
+            connector=connector,
+            timeout=timeout,
+            headers=self._headers,
+            # Nodes set no cookies and compress nothing: skip the per-request cookie
+            # filtering and the decompression check.
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
         )
 
     async def close(self) -> None:
