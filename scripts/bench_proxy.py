@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--proxy-profile", type=Path, default=None, metavar="FILE",
         help="run the (first) proxy under cProfile, stats written to FILE (slows it down)",
     )  # fmt: skip
-    p.add_argument("--phases", default="throughput,requests,latency", help="comma-separated subset")
+    p.add_argument(
+        "--phases", default="throughput,requests,latency,floor", help="comma-separated subset"
+    )
     return p
 
 
@@ -131,6 +133,17 @@ async def start_proxy(
         # The stand-ins move no KV: the proxy's one-call prefill path, as measured before.
         "--kv-streaming", "off",
     ]  # fmt: skip
+    return await _start(argv, core, "pdserve proxy ready: ", timeout_s)
+
+
+async def start_null_proxy(prefill: str, decode: str, core: int | None) -> ProxyProcess:
+    """`proxy.bench.null_proxy`: a proxy that only forwards (the latency floor)."""
+    argv = [sys.executable, "-m", "proxy.bench.null_proxy", "--prefill", prefill]
+    return await _start([*argv, "--decode", decode], core, "null proxy ready: ", 30.0)
+
+
+async def _start(argv: list[str], core: int | None, ready: str, timeout_s: float) -> ProxyProcess:
+    """Start a proxy process (on `core`) and wait for its `ready` line, which ends in its URL."""
     if core is not None:
         argv = ["taskset", "-c", str(core), *argv]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -151,8 +164,8 @@ async def start_proxy(
             raise RuntimeError("the proxy did not start:\n" + "".join(lines[-20:]))
         text = line.decode(errors="replace")
         lines.append(text)
-        if text.startswith("pdserve proxy ready: "):
-            proxy.url = text.split(": ", 1)[1].strip()
+        if text.startswith(ready):
+            proxy.url = text[len(ready) :].strip()
     # Keep draining its output so that it never blocks on a full pipe.
     loop.run_in_executor(None, _drain, proc)
     return proxy
@@ -375,12 +388,13 @@ class Bench:
         return PhaseResult(name, time.monotonic() - t0, self._cpu() - cpu0, outcomes)
 
     async def open_loop(
-        self, rate: float, max_tokens: int, duration_s: float
+        self, rate: float, max_tokens: int, duration_s: float, timed: bool = True
     ) -> tuple[PhaseResult, list[float]]:
-        """`rate` requests/s for `duration_s` (a bounded count, evenly spaced); also each
-        token's relay time (stand-in write to client read), seconds."""
+        """`rate` requests/s for `duration_s` (a bounded count, evenly spaced); also, when
+        `timed`, each token's relay time (stand-in write to client read), seconds."""
         count = max(1, int(rate * duration_s))
-        self.standins.record_writes()
+        if timed:
+            self.standins.record_writes()
         tasks: list[asyncio.Task[Outcome]] = []
         cpu0, t0 = self._cpu(), time.monotonic()
         try:
@@ -388,13 +402,13 @@ class Bench:
                 delay = t0 + i / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                coro = one_request(self._pool(), self.model, max_tokens, self.timeout_s, True)
+                coro = one_request(self._pool(), self.model, max_tokens, self.timeout_s, timed)
                 tasks.append(asyncio.ensure_future(coro))
             outcomes = list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:
                 task.cancel()
-            writes = self.standins.written()
+            writes = self.standins.written() if timed else {}
         result = PhaseResult("latency", time.monotonic() - t0, self._cpu() - cpu0, outcomes)
         relay: list[float] = []
         for o in result.done:
@@ -523,7 +537,36 @@ async def _phases(
         }
         report["added_ttft_ms_p99"] = report["phases"]["latency"]["ttft_ms_p99"]
         report["added_token_ms_p99"] = report["phases"]["latency"]["token_relay_ms_p99"]
+    if "floor" in phases:
+        report["phases"]["floor"] = await _floor(args, bench, standins, proxy_cores)
+        report["floor_ttft_ms_p99"] = report["phases"]["floor"]["ttft_ms_p99"]
     return report
+
+
+async def _floor(
+    args: argparse.Namespace, bench: Bench, standins: StandInProcess, proxy_cores: list[int]
+) -> dict[str, Any]:
+    """The latency phase's open loop against a proxy that only forwards, on the same core:
+    what the hops cost before any proxy does any work."""
+    standins.set_token_interval(args.token_interval_ms / 1000)
+    core = proxy_cores[0] if proxy_cores else None
+    null = await start_null_proxy(standins.prefill_url, standins.decode_url, core)
+    try:
+        floor = Bench([null], bench.model, standins, args.request_timeout_s, ["t"])
+        try:
+            r, _ = await floor.open_loop(args.rate, 16, args.duration_s, timed=False)
+        finally:
+            floor.close()
+    finally:
+        null.stop()
+    ttfts = [o.ttft_s for o in r.done if o.ttft_s is not None]
+    return {
+        "what": "a proxy that only forwards (proxy.bench.null_proxy), same core and rate",
+        "rate": args.rate,
+        **r.summary(),
+        "ttft_ms_p50": quantile_ms(ttfts, 0.5),
+        "ttft_ms_p99": quantile_ms(ttfts, 0.99),
+    }
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -537,6 +580,11 @@ def print_report(report: dict[str, Any]) -> None:
             f"{phase['requests_per_s_per_proxy_core']:9.1f} req/s "
             f"{phase['tokens_per_s_per_proxy_core']:10.1f} tok/s per core"
         )
+        if name == "floor":
+            print(
+                f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms "
+                "(a proxy that only forwards: the hops' own cost here)"
+            )
         if name == "latency":
             print(
                 f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms; "

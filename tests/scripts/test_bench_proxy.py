@@ -42,3 +42,7 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     assert latency["token_relay_ms_p50"] >= 0
     # the proxy's own histograms saw the phase's requests and tokens
     assert latency["proxy_ttft_ms_p99"] is not None and latency["proxy_relay_ms_p99"] is not None
+    # the floor: the same open loop through a proxy that only forwards, every token relayed
+    floor = phases["floor"]
+    assert floor["completed"] == 20 and floor["tokens"] == 20 * 16
+    assert report["floor_ttft_ms_p99"] > 0
