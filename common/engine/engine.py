@@ -142,6 +142,10 @@ class LLMEngine:
         self.on_step: Callable[[StepTiming], None] | None = None
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+        # The books (records, scheduler, allocator): the engine thread holds this lock for
+        # each step but its forward pass, so that another thread may reserve blocks while
+        # the model runs (`reserve_now`) instead of waiting for the step's end.
+        self._books = threading.RLock()  # (re-entrant: a `call` runs under it)
         self._checks = RequestChecks(
             self.model_config.vocab_size,
             self.max_model_len,
@@ -205,6 +209,29 @@ class LLMEngine:
 
     # -- decode role: destination blocks (engine thread) -------------------------
 
+    def reserve_now(
+        self,
+        request_id: str,
+        num_tokens: int,
+        prompt_token_ids: list[int] | None = None,
+        choices: int = 1,
+    ) -> tuple[bool, list[int] | None]:
+        """Any thread: `reserve` at once, if the engine thread is not using the books (it
+        is idle, or a step's forward pass runs) and no command waits (commands apply in
+        order): (True, its result). Else (False, None): reserve between steps (`call`).
+
+        A decode node's reservation thus answers within the step it arrives in, and the
+        KV moves while the model runs, rather than after the step (a decode step of a
+        full batch takes 50-100 ms on this CPU)."""
+        if not self._books.acquire(blocking=False):
+            return False, None
+        try:
+            if self._inbox:
+                return False, None
+            return True, self.reserve(request_id, num_tokens, prompt_token_ids, choices)
+        finally:
+            self._books.release()
+
     def reserve(
         self,
         request_id: str,
@@ -212,7 +239,8 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         choices: int = 1,
     ) -> list[int] | None:
-        """Reserve destination blocks for `num_tokens` of incoming KV, or None if full.
+        """Reserve destination blocks for `num_tokens` of incoming KV, or None if full
+        (engine thread, or a thread holding the books: `reserve_now`).
 
         With the prompt, the leading blocks this node has cached are shared rather than
         reserved empty (the record's num_cached_blocks): the transfer skips them. Keeps the
@@ -366,21 +394,37 @@ class LLMEngine:
         return bool(self._inbox) or self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
+        """One step (engine thread): commands, schedule, forward, outputs. The books are
+        locked throughout but for the forward, which reads only the batch's own blocks
+        (what `reserve_now` may do meanwhile touches none of them)."""
         t0 = time.perf_counter()
-        outputs = self.apply_commands()
-        t1 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        t2 = t3 = time.perf_counter()
-        if len(batch):
-            sampled = self.runner.run(batch)
-            t3 = time.perf_counter()
-            seconds = t3 - t2
-            self._step_times.append(seconds)
-            self._measure(batch.num_tokens - batch.num_decode, seconds)
-            outputs += self.scheduler.postprocess(
-                batch, sampled.tokens, sampled.logprobs, sampled.prompt_logprobs
-            )
-            outputs += self._pin_computed(batch)
+        with self._books:
+            outputs = self._apply_commands()
+            t1 = time.perf_counter()
+            batch = self.scheduler.schedule()
+        t2 = time.perf_counter()
+        sampled = self.runner.run(batch) if len(batch) else None  # the books are free
+        t3 = time.perf_counter()
+        with self._books:
+            if sampled is not None:
+                seconds = t3 - t2
+                self._step_times.append(seconds)
+                self._measure(batch.num_tokens - batch.num_decode, seconds)
+                outputs += self.scheduler.postprocess(
+                    batch, sampled.tokens, sampled.logprobs, sampled.prompt_logprobs
+                )
+                outputs += self._pin_computed(batch)
+            return self._finish_step(outputs, batch, t0, t1, t2, t3)
+
+    def _finish_step(
+        self,
+        outputs: list[StepOutput],
+        batch: ScheduledBatch,
+        t0: float,
+        t1: float,
+        t2: float,
+        t3: float,
+    ) -> list[StepOutput]:
         for out in outputs:
             if out.kind is OutputKind.HELD:
                 assert out.held_blocks is not None
@@ -409,6 +453,10 @@ class LLMEngine:
 
     def apply_commands(self) -> list[StepOutput]:
         """Apply queued commands (engine thread); the outputs of aborted requests."""
+        with self._books:
+            return self._apply_commands()
+
+    def _apply_commands(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         applied = bool(self._inbox)
         while self._inbox:
@@ -606,7 +654,8 @@ class LLMEngine:
         logged with the books and counted (published in `state()`), not raised: serving
         goes on, and /metrics shows it."""
         try:
-            self.check_integrity()
+            with self._books:
+                self.check_integrity()
         except AssertionError as e:
             self.integrity_violations += 1
             log.error("KV block books disagree when idle: %s; records %s", e, self._records)

@@ -225,7 +225,12 @@ class AsyncEngine:
         choices: int = 1,
     ) -> list[int] | None:
         """Reserve destination blocks (decode role); None if the engine has no room. With
-        the prompt, cached leading blocks are shared (LLMEngine.reserve); `choices`: n."""
+        the prompt, cached leading blocks are shared (LLMEngine.reserve); `choices`: n.
+        At once while the engine is idle or runs a forward pass (`reserve_now`), else
+        between steps."""
+        done, blocks = self.engine.reserve_now(request_id, num_tokens, prompt_token_ids, choices)
+        if done:
+            return blocks
         try:
             return await self.call(
                 lambda: self.engine.reserve(request_id, num_tokens, prompt_token_ids, choices)
