@@ -10,7 +10,7 @@ The proxy runs as its own process (`pdserve proxy`, the real one, in front of on
 and one decode stand-in), pinned to core K when the machine has more than one; this
 process runs the client, and a child process of its own the stand-ins
 (`proxy.bench.standin_process`: in one event loop with the client, an answer waited behind
-the client's reads), on the other cores. Three phases of S seconds:
+the client's reads), on the other cores. Four phases of S seconds:
 
 - throughput: C streams at once, closed loop, N output tokens each: relayed tokens/s;
 - requests: C streams at once, closed loop, 2 output tokens each (a prefill call, a decode
@@ -18,7 +18,9 @@ the client's reads), on the other cores. Three phases of S seconds:
 - latency: R new requests/s, open loop, 16 tokens each, paced 20 ms apart by the decode
   stand-in: the client's TTFT (the proxy's whole added time, plus loopback hops to nodes
   that answer at once) and, per token, the time from the stand-in's write to the client's
-  read (what the proxy's relay adds to every token).
+  read (what the proxy's relay adds to every token);
+- floor: the latency phase through `proxy.bench.null_proxy`, a proxy that only forwards,
+  on the same core: what the loopback hops cost here before any proxy does any work.
 
 Each phase reads the proxy's CPU time from /proc, so rates are also given per proxy core
 (rate / fraction of a core the proxy used): when the client side is the bottleneck (the
@@ -517,13 +519,11 @@ async def _phases(
             value, _ = histogram_quantile(before, after, name, q)
             return None if value is None else round(1000 * value, 3)
 
-        ttfts = [o.ttft_s for o in r.done if o.ttft_s is not None]
         report["phases"]["latency"] = {
             "rate": args.rate,
             "token_interval_ms": args.token_interval_ms,
             **r.summary(),
-            "ttft_ms_p50": quantile_ms(ttfts, 0.5),
-            "ttft_ms_p99": quantile_ms(ttfts, 0.99),
+            **_ttft_ms(r),
             "token_relay_ms_p50": quantile_ms(relay, 0.5),
             "token_relay_ms_p99": quantile_ms(relay, 0.99),
             "events_timed": len(relay),
@@ -552,6 +552,7 @@ async def _floor(
     core = proxy_cores[0] if proxy_cores else None
     null = await start_null_proxy(standins.prefill_url, standins.decode_url, core)
     try:
+        # (pieces: the forwarder's events each carry the text "t"; its tokens go untimed)
         floor = Bench([null], bench.model, standins, args.request_timeout_s, ["t"])
         try:
             r, _ = await floor.open_loop(args.rate, 16, args.duration_s, timed=False)
@@ -559,14 +560,17 @@ async def _floor(
             floor.close()
     finally:
         null.stop()
-    ttfts = [o.ttft_s for o in r.done if o.ttft_s is not None]
     return {
         "what": "a proxy that only forwards (proxy.bench.null_proxy), same core and rate",
         "rate": args.rate,
         **r.summary(),
-        "ttft_ms_p50": quantile_ms(ttfts, 0.5),
-        "ttft_ms_p99": quantile_ms(ttfts, 0.99),
+        **_ttft_ms(r),
     }
+
+
+def _ttft_ms(r: PhaseResult) -> dict[str, float | None]:
+    ttfts = [o.ttft_s for o in r.done if o.ttft_s is not None]
+    return {"ttft_ms_p50": quantile_ms(ttfts, 0.5), "ttft_ms_p99": quantile_ms(ttfts, 0.99)}
 
 
 def print_report(report: dict[str, Any]) -> None:
