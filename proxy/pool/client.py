@@ -121,6 +121,7 @@ class NodeClient:
         self._cancels: set[asyncio.Task[None]] = set()
         self._streams: set[NodeStream] = set()  # open token streams (for abort)
         self._calls: dict[str, set[_Guard]] = {}  # guarded calls in flight, by node
+        self._heard: dict[str, float] = {}  # each node's last answer (loop time)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0)
@@ -236,6 +237,16 @@ class NodeClient:
             guard.trip(NodeUnreachable(url, f"down: {reason}", maybe_received=True))
         return len(lost) + len(calls)
 
+    def heard_since(self, url: str, t: float) -> bool:
+        """Whether the node at `url` answered anything at or after loop time `t`: a call's
+        answer, a stream's headers or a line of one. A poll that timed out although the node
+        answered since it began proves the poll's connection stuck, not the node gone (after
+        a partition heals, a connection in TCP's retransmission backoff stays silent for
+        seconds while new ones work)."""
+        if self._heard.get(url, float("-inf")) >= t:
+            return True
+        return any(s.url == url and s.heard >= t for s in self._streams)
+
     async def _open(
         self, url: str, path: str, msg: Message, timeout_s: float
     ) -> aiohttp.ClientResponse:
@@ -252,6 +263,7 @@ class NodeClient:
             ) from None
         except aiohttp.ClientError as e:
             raise _transport_error(url, path, e) from None
+        self._answered(url)
         if resp.status != 200:
             try:
                 raise await self._error(url, resp)
@@ -276,12 +288,20 @@ class NodeClient:
         resp = await self._open(url, path, msg, self.timeouts.first_byte_s)
         stall = self.timeouts.stall_s if stall_s is None else stall_s
         stream = NodeStream(
-            url, request_id, resp, self.timeouts.read_line_s, stall, kv_from, self._streams.discard
+            url, request_id, resp, self.timeouts.read_line_s, stall, kv_from, self._stream_closed
         )
         self._streams.add(stream)
         return stream
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _stream_closed(self, stream: NodeStream) -> None:
+        self._streams.discard(stream)
+        if stream.heard > self._heard.get(stream.url, float("-inf")):
+            self._heard[stream.url] = stream.heard
+
+    def _answered(self, url: str) -> None:
+        self._heard[url] = asyncio.get_running_loop().time()
 
     def _no_connection(self, url: str) -> NodeUnreachable:
         """No connection within the connect timeout (a partition, a node gone silent): the
@@ -327,6 +347,7 @@ class NodeClient:
             async with self.session.post(
                 url + path, data=to_json(msg), headers=JSON_HEADERS, timeout=timeout
             ) as resp:
+                self._answered(url)
                 if resp.status != 200:
                     raise await self._error(url, resp)
                 body = await resp.read()

@@ -45,6 +45,7 @@ class NodeStream:
         self.stall_s = stall_s  # 0: no stall detection
         self.kv_from = kv_from  # the prefill node sending its KV, until the first line
         self.received = False  # a line came
+        self.heard = float("-inf")  # loop time the node last sent anything on this stream
         self._on_close = on_close
         self._aborted: NodeLost | None = None
         self._wait: tuple[float, float, bool] | None = None  # deadline, timeout, stalled
@@ -110,7 +111,8 @@ class NodeStream:
         stalled = self.received and 0 < self.stall_s < timeout
         if stalled:
             timeout = self.stall_s
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         self._wait = (deadline, timeout, stalled)
         if self._watchdog is None or self._watchdog.when() > deadline:
             if self._watchdog is not None:
@@ -128,6 +130,7 @@ class NodeStream:
             raise self._aborted
         if not data:
             raise NodeLost(self.url, f"node {self.url} ended the stream without finishing", True)
+        self.heard = loop.time()
         *lines, self._partial = (self._partial + data).split(b"\n")
         if len(self._partial) > MAX_LINE_BYTES:
             raise BackendError.failed(f"node {self.url} sent a line over {MAX_LINE_BYTES} bytes")

@@ -9,7 +9,10 @@ gets no new work while another node of its role answers (stale numbers are not t
 poll that fails outright (timed out, refused) marks the node DOWN and ends the work waiting
 on it (`NodeClient.abort`: its streams and calls, the decode streams waiting for its KV, and,
 through the lost-node listeners, inter-stage entries whose KV it holds), so that the proxy
-continues that work elsewhere at once. A 503 poll (draining) ends nothing: a draining node
+continues that work elsewhere at once; unless the node answered something else while the
+poll waited (`NodeClient.heard_since`): then the poll's own connection was stuck (after a
+partition heals, one in TCP's retransmission backoff stays silent for seconds), and the
+node keeps its status until the next poll. A 503 poll (draining) ends nothing: a draining node
 finishes what it has. All nodes of one proxy must serve the same model: the first node whose
 `/state` is read sets the pool's `model_fingerprint`, and a node with another one is REFUSED
 (at `register`, with an error; when found by the poller, it is kept out of rotation).
@@ -267,10 +270,17 @@ class NodeRegistry:
 
     async def _poll(self, node: Node) -> None:
         mark = node.sent_mark()
+        began = asyncio.get_running_loop().time()
         try:
             healthy = await self.client.health(node.url)
             state = NodeState.parse(await self.client.state(node.url))
         except (NodeUnreachable, ValueError) as e:
+            if isinstance(e, NodeUnreachable) and self.client.heard_since(node.url, began):
+                # The node answered other calls while this poll waited: its connection was
+                # stuck, not the node (the next poll, on a new connection, tells).
+                log.warning("poll of %s failed (%s), but the node answered meanwhile; "
+                            "it stays %s", node.url, e.message, node.status.value)  # fmt: skip
+                return
             if self._nodes.get(node.url) is node:
                 self._set(node, NodeStatus.DOWN, str(e))
                 if isinstance(e, NodeUnreachable):

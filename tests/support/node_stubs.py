@@ -89,6 +89,9 @@ class StubNode:
         # hang(): like SIGSTOP, connections are accepted but nothing answers or streams
         self._running = asyncio.Event()
         self._running.set()
+        # hang_polls(): only GET /health and /state go unanswered (a stuck poll connection)
+        self._polls_answered = asyncio.Event()
+        self._polls_answered.set()
         # records
         self.calls: list[tuple[str, Any]] = []
         self.accepted: list[str] = []  # decode/generate requests streamed, in order
@@ -139,6 +142,13 @@ class StubNode:
     def resume(self) -> None:
         self._running.set()
 
+    def hang_polls(self, hang: bool = True) -> None:
+        """Leave polls (GET /health, /state) unanswered while everything else works."""
+        if hang:
+            self._polls_answered.clear()
+        else:
+            self._polls_answered.set()
+
     def release(self, request_id: str) -> None:
         self._gates.setdefault(request_id, asyncio.Event()).set()
 
@@ -149,10 +159,12 @@ class StubNode:
 
     async def health(self, request: web.Request) -> web.Response:
         await self._running.wait()
+        await self._polls_answered.wait()
         return web.json_response({"status": "ok", "role": self.role}, status=self.health_status)
 
     async def state(self, request: web.Request) -> web.Response:
         await self._running.wait()
+        await self._polls_answered.wait()
         return web.json_response(
             {
                 "role": self.role,

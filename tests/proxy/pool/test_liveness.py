@@ -152,6 +152,40 @@ def test_a_hung_node_gets_no_new_work_then_goes_down_and_its_work_moves() -> Non
     run(body())
 
 
+def test_a_poll_that_times_out_while_the_node_answers_other_calls_ends_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a partition heals, a poll on a connection in TCP's retransmission backoff can
+    time out while new connections to the node work: that proves the connection stuck, not
+    the node gone, so the node stays up and its streams go on; with nothing heard from the
+    node while a poll waited, the node goes down as before."""
+
+    async def body() -> None:
+        decode = StubNode("decode")
+        decode.tokens = list(range(8, 40))
+        decode.token_delay = 0.05  # ~1.6 s of tokens: more than two poll timeouts (control_s)
+        async with stubs(decode), proxy_stack((), (decode,), timeouts=QUICK) as stack:
+            reg = stack.registry
+            stream = await stack.client.open_stream(
+                decode.url, DECODE_PATH, decode_request("a"), "a"
+            )
+            decode.hang_polls()
+            tokens: list[int] = []
+            while not tokens or tokens[-1] != 39:
+                tokens += (await stream.next_chunk()).token_ids
+                assert reg.get(decode.url).status is NodeStatus.UP
+            stream.close()
+            assert tokens == decode.tokens  # not aborted by the polls that timed out
+            assert "the node answered meanwhile" in caplog.text
+            # Nothing from the node any more: the next poll that times out takes it down.
+            await eventually(lambda: reg.get(decode.url).status is NodeStatus.DOWN, 5.0, "down")
+            decode.hang_polls(False)
+            await eventually(lambda: reg.get(decode.url).status is NodeStatus.UP, 5.0, "rejoin")
+
+    with caplog.at_level("WARNING", logger="proxy.pool.registry"):
+        run(body())
+
+
 def test_entries_whose_kv_is_on_a_lost_prefill_node_fail_at_once() -> None:
     async def body() -> None:
         prefill, decode = StubNode("prefill"), StubNode("decode")
