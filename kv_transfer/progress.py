@@ -225,13 +225,18 @@ class ProgressLoop:
         if self.commands or self.backend.busy():
             return 0
         now = time.monotonic()
-        expecting = self.book.expecting() and self.backend.polls_for_landing()
+        expected = self.book.expecting()
+        expecting = expected and self.backend.polls_for_landing()
         if expecting and now < self._hot_until:
             return 0
         wait = max(0.0, self.conns.next_deadline() - now)
-        short = expecting or self.conns.connecting()  # outbox replies are not polled
-        wait = min(wait, 0.001 if short else self.config.idle_poll_interval_s)
-        return max(1, int(wait * 1000))
+        if expecting or self.conns.connecting():  # (outbox replies are not polled)
+            interval = 0.001
+        elif expected:
+            interval = self.config.idle_poll_interval_s
+        else:  # nothing to move: heartbeats and commands (eventfd) wake us
+            interval = self.config.quiet_poll_interval_s
+        return max(1, int(min(wait, interval) * 1000))
 
     def _run_commands(self) -> bool:
         ran = False
