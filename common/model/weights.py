@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from common.model.config import ModelConfig, ModelLoadError
 from common.model.decoder import LlamaForCausalLM, RotaryEmbedding
@@ -121,6 +122,27 @@ def resolve_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
     return table[name]
 
 
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every meta parameter and buffer uninitialized storage on `device` (floating
+    ones in `dtype`): what `to_empty(device).to(dtype)` does, without its `empty_like` of
+    meta tensors, which goes through torch._refs and imports sympy (~0.8 s per process)."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                           device=device)  # fmt: skip
+
+    made: dict[int, nn.Parameter] = {}  # a parameter shared by two modules stays shared
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(empty(param), param.requires_grad)
+                module._parameters[name] = made[id(param)]
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = empty(buf)
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str = "auto",
@@ -136,7 +158,7 @@ def load_model(
     torch_dtype = resolve_dtype(cfg, dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(torch_dtype)
+    _materialize(model, torch.device(device), torch_dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = RotaryEmbedding(cfg, device)
