@@ -110,9 +110,6 @@ class AsyncEngine:
         self._loop = loop
         self._thread = EngineThread(engine, self._publish_threadsafe, step_delay_s=step_delay_s)
         self.died = asyncio.Event()  # set on this loop once the engine thread died
-        # Called on this loop after each step's outputs and each call (the KV-event
-        # publisher flushes then, rather than waking on a timer while the node is idle).
-        self.on_activity: Callable[[], None] | None = None
 
     async def start(self) -> None:
         self._thread.start()
@@ -218,10 +215,7 @@ class AsyncEngine:
 
         self.engine.call(fn, done)
         self._thread.wake()
-        try:
-            return await future
-        finally:
-            self._activity()
+        return await future
 
     async def reserve(
         self,
@@ -236,7 +230,6 @@ class AsyncEngine:
         between steps."""
         done, blocks = self.engine.reserve_now(request_id, num_tokens, prompt_token_ids, choices)
         if done:
-            self._activity()
             return blocks
         try:
             return await self.call(
@@ -272,8 +265,3 @@ class AsyncEngine:
             queue = self._queues.get(out.route or out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
-        self._activity()
-
-    def _activity(self) -> None:
-        if self.on_activity is not None:
-            self.on_activity()

@@ -96,7 +96,6 @@ class NodeHost:
         self.kv_events = KVEventPublisher(
             self.engine_id, events, self.config.host, self.config.cluster_token
         )
-        self.runtime.front.on_activity = self.kv_events.nudge
         self._spawn(self.kv_events.run(), "kv-events")
         self.role.start()
         if self.config.cluster_token is None and not is_loopback(self.config.host):
@@ -137,7 +136,6 @@ class NodeHost:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.role.stop()
         if self.kv_events is not None:
-            self.runtime.front.on_activity = None
             self.kv_events.close()
             self.kv_events = None
         await self.runtime.front.stop()

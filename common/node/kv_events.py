@@ -18,7 +18,6 @@ cluster token, only a holder of the token can tell which prompt prefixes a node 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from typing import Any
@@ -30,8 +29,7 @@ from common.wire.prefix import event_key
 
 log = logging.getLogger(__name__)
 
-FLUSH_INTERVAL_S = 0.02  # events are batched this long after the engine made them
-IDLE_FLUSH_S = 0.5  # without a nudge (events made outside a step or call), at the latest
+FLUSH_INTERVAL_S = 0.02
 _MAX_OPS_PER_BATCH = 4096
 
 
@@ -64,20 +62,9 @@ class KVEventPublisher:
         port = self._pub.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.dropped = 0  # batches the socket refused (a subscriber then resyncs)
-        self._nudged = asyncio.Event()
-
-    def nudge(self) -> None:
-        """The engine did something (on the node's loop): flush soon if it made events."""
-        if self._events:
-            self._nudged.set()
 
     async def run(self) -> None:
-        """Flush FLUSH_INTERVAL_S after a nudge (or IDLE_FLUSH_S after the last flush):
-        an idle node does not wake 50 times a second to find nothing."""
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._nudged.wait(), IDLE_FLUSH_S)
-            self._nudged.clear()
             await asyncio.sleep(FLUSH_INTERVAL_S)
             self.flush()
 

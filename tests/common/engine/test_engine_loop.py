@@ -74,29 +74,3 @@ def test_a_constraint_compiles_off_the_event_loop(tiny_model_dir: Path) -> None:
 
     asyncio.run(run())
     assert len(threads) == 2 and threading.get_ident() not in threads
-
-
-def test_on_activity_runs_on_the_loop_after_outputs_and_calls(tiny_model_dir: Path) -> None:
-    """The hook the KV-event publisher flushes on (instead of a timer while idle)."""
-
-    async def run() -> None:
-        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
-        loop = asyncio.get_running_loop()
-        front = AsyncEngine(engine, loop)
-        loop_thread = threading.get_ident()
-        seen: list[bool] = []  # per call of the hook: whether it ran on the loop's thread
-        front.on_activity = lambda: seen.append(threading.get_ident() == loop_thread)
-        await front.start()
-        try:
-            sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-            async for _ in front.generate("a", [5, 6, 7], sp):
-                pass
-            after_generate = len(seen)
-            assert after_generate >= 3  # one per step's outputs at least
-            assert await front.call(lambda: 42) == 42
-            assert len(seen) > after_generate
-            assert all(seen)
-        finally:
-            await front.stop()
-
-    asyncio.run(run())
