@@ -12,18 +12,27 @@ HTTP layer (text in, text out):
 - `hooks.py`: `ProxyHooks`, the observation points for metrics and the request trace.
 - `errors.py`: `ApiError` and the OpenAI error body.
 
-Node pools (token ids in, token ids out):
+Node pools (token ids in, token ids out), in `pool/`:
 
 - `disagg.py`: `DisaggBackend` (prefill -> inter-stage queue -> decode, cancel at each
-  stage) and `ColocatedBackend` (`both` nodes).
+  stage, migration of a lost stream); `colocated.py`: `ColocatedBackend` (`both` nodes).
+- `placement.py`: conditional disaggregation (prefill on the prefill pool or locally).
+- `router.py`: which node, weighing each node's prefix cache against its queue;
+  `kv_index.py`: the nodes' prefix caches, kept from their KV events.
 - `interstage.py`: the inter-stage queue: bounded FIFO of prefilled requests waiting for
-  decode capacity, one dispatcher, prefill lease extension.
-- `nodes.py`: `NodeRegistry`: nodes by URL, health/state poller, routing, fingerprint check.
+  decode capacity, one dispatcher, prefill lease extension; `budget.py`: the pre-decode
+  budget the edge admits against.
+- `registry.py`: `NodeRegistry`: nodes by URL, health/state poller, fingerprint check.
 - `node_state.py`: one node's role, status (enum with transitions), last `/state`, load.
-- `node_client.py`: the nodes' internal HTTP API: timeouts per call, NDJSON streams, errors.
-- `admin.py`: `GET|POST|DELETE /admin/nodes`.
-- `metrics.py`: Prometheus metrics (requests, TTFT, ITL, E2E, inter-stage queue).
-- `settings.py`, `main.py`: `pdserve proxy` (flags -> `ProxySettings` -> app -> serve).
+- `client.py`: the nodes' internal HTTP API: timeouts per call, errors; `node_stream.py`
+  (NDJSON token streams), `prefill_stream.py` (a streamed prefill call), `relay.py`
+  (a node's stream relayed as token chunks), `node_errors.py`.
+- `admin.py`: `GET|POST|DELETE /admin/nodes`; `roles.py`: moving a node between the
+  pools; `planner.py`: `--auto-roles`.
+
+Around them: `edge.py` (admission), `trace.py` (request traces), `metrics.py` (Prometheus
+metrics: requests, TTFT, ITL, E2E, inter-stage queue), `settings.py` and `main.py`
+(`pdserve proxy`: flags -> `ProxySettings` -> app -> serve).
 
 Serving benchmark (a client of the OpenAI surface, for any server):
 

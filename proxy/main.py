@@ -34,7 +34,8 @@ from proxy.metrics import DisaggMetrics, InterStageMetrics, ProxyMetrics, metric
 from proxy.pool.admin import AdminRoutes
 from proxy.pool.budget import PreDecodeBudget, pipeline_limits, uncached_tokens
 from proxy.pool.client import NodeClient
-from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from proxy.pool.colocated import ColocatedBackend
+from proxy.pool.disagg import DisaggBackend, DisaggConfig
 from proxy.pool.interstage import InterStageConfig, InterStageQueue
 from proxy.pool.kv_index import KVIndex
 from proxy.pool.node_state import Role

@@ -1,5 +1,6 @@
-"""Token backends over node pools: `DisaggBackend` (prefill pool -> inter-stage queue ->
-decode pool) and `ColocatedBackend` (nodes that prefill and decode locally).
+"""`DisaggBackend`, the token backend over the node pools of a disaggregated deployment:
+prefill pool -> inter-stage queue -> decode pool (`ColocatedBackend`, colocated.py, serves
+nodes that prefill and decode locally).
 
 A disaggregated request moves through three stages, and closing its stream (`aclose`, or the
 consuming task cancelled) cancels it where it is, from tasks the `NodeClient` owns:
@@ -454,53 +455,6 @@ class DisaggBackend:
         except BaseException:
             self.client.cancel_soon(prefill_url, req.request_id)
             raise
-
-
-class ColocatedBackend:
-    """`TokenBackend` over `both` nodes: the least busy one generates the whole request."""
-
-    def __init__(
-        self,
-        registry: NodeRegistry,
-        client: NodeClient,
-        config: DisaggConfig | None = None,
-        traces: TraceStore | None = None,
-        metrics: DisaggMetrics | None = None,
-    ) -> None:
-        self.registry = registry
-        self.client = client
-        self.config = config or DisaggConfig()
-        self.traces = traces or TraceStore(1)
-        self.metrics = metrics
-
-    async def generate(self, req: GenerationRequest) -> TokenStream:
-        """The whole request on one node; a stall ends it with an error event (a colocated
-        request is not migrated)."""
-        stream = await self._open(req)
-        try:
-            chunks = relay(stream, req, self.client, traces=self.traces)
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    yield chunk
-        except NodeLost as e:
-            if e.cause == "stalled":
-                report_stall(self.registry, self.traces, self.metrics, req.request_id, e, "both")
-            raise
-
-    async def _open(self, req: GenerationRequest) -> NodeStream:
-        tried: set[str] = set()
-        while True:
-            decision = self.registry.router.pick(Role.BOTH, req.prompt_token_ids, frozenset(tried))
-            node = decision.node
-            node.sent(decision.chosen.uncached)
-            self.traces.record(req.request_id, "routed", detail=decision.detail())
-            try:
-                return await open_generate(self.client, self.registry, node, req)
-            except NodeUnreachable as e:
-                report_unreachable(self.registry, self.client, node, e, req.request_id)
-                tried.add(node.url)
-                if len(tried) >= self.config.node_attempts:
-                    raise
 
 
 def _has_room(e: Estimate) -> bool:
