@@ -20,11 +20,26 @@ from typing import Any
 # here, before the guard below, rather than inside the first fast test that plots.
 import matplotlib.font_manager  # noqa: F401
 import pytest
-import torch  # noqa: F401  (its import runs `ldconfig -p`: done here, before the guard below)
+import torch  # (its import runs `ldconfig -p`: done here, before the guard below)
 
 from common.text.tokenizer import Tokenizer
 from common.tiny.model import make_tiny_model
-from tests.support import procs
+from tests.support import procs, schedule
+
+# -- two workers, heaviest modules first (tests/support/schedule.py) ---------------------------
+
+
+torch.set_num_threads(schedule.TORCH_THREADS)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture parameters
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    schedule.order_heaviest_first(items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return schedule.make_scheduler(config, log)
+
 
 # -- the fast tier starts no process -----------------------------------------------------------
 

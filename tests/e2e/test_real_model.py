@@ -21,6 +21,7 @@ from common.engine.engine import LLMEngine
 from common.text.tokenizer import Tokenizer
 from common.wire.sampling_params import SamplingParams
 from tests.support.cluster import Cluster, Server
+from tests.support.schedule import TORCH_THREADS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -45,7 +46,7 @@ def expected(smollm2: Path, nodes: Cluster) -> dict[str, list[int]]:
     them; the served runs batch them differently, so equality also checks batch invariance).
     Computed while the nodes start (`nodes` only launched them)."""
     tok = Tokenizer.from_dir(smollm2)
-    engine = LLMEngine(EngineConfig(model=str(smollm2), num_blocks=256, threads=2))
+    engine = LLMEngine(EngineConfig(model=str(smollm2), num_blocks=256, threads=TORCH_THREADS))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT]
     ids += [tok.encode(p) for p in PLAIN]

@@ -22,7 +22,6 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(2)
 
 gguf = pytest.importorskip("gguf")
 

@@ -36,6 +36,7 @@ from tests.common.model.conftest import (
     tiny_tokens,
     write_tiny_gguf,
 )
+from tests.support.schedule import TORCH_THREADS
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,7 +205,7 @@ def test_pdserve_engine_matches_transformers_gguf(
     for token what transformers generates from the .gguf itself."""
     prompts = [(p, True) for p in CHAT_PROMPTS] + [(p, False) for p in PLAIN_PROMPTS]
     ids = [_prompt_ids(ref_tokenizer, p, chat)[0].tolist() for p, chat in prompts]
-    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), num_blocks=256, threads=2))
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), num_blocks=256, threads=TORCH_THREADS))
     sampling = SamplingParams(temperature=0.0, max_tokens=32)
     got = engine.generate(ids, sampling)
     engine.check_integrity()

@@ -14,6 +14,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.wire.sampling_params import SamplingParams
+from tests.support.schedule import TORCH_THREADS
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,7 +66,7 @@ def _reference(model: Any, ids: list[int], sp: SamplingParams, eos: list[int]) -
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(smollm2_dir), num_blocks=256, threads=2))
+    return LLMEngine(EngineConfig(model=str(smollm2_dir), num_blocks=256, threads=TORCH_THREADS))
 
 
 @pytest.mark.parametrize(

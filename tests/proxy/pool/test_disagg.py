@@ -12,7 +12,8 @@ from common.wire.sampling_params import SamplingParams
 from proxy.http.backend import BackendError, GenerationRequest, TokenChunk
 from proxy.pool.budget import Claim, Limits, PreDecodeBudget, pipeline_limits
 from proxy.pool.client import NodeClient
-from proxy.pool.disagg import ColocatedBackend, DisaggBackend, DisaggConfig
+from proxy.pool.colocated import ColocatedBackend
+from proxy.pool.disagg import DisaggBackend, DisaggConfig
 from proxy.pool.node_state import Role
 from proxy.pool.placement import DisaggMode, PlacementConfig
 from proxy.pool.registry import NodeRegistry, RegistryConfig
