@@ -16,7 +16,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +39,7 @@ from common.engine.records import RequestRecord
 from common.engine.runner import ModelRunner
 from common.engine.scheduler import OutputKind, ScheduledBatch, Scheduler, StepOutput
 from common.engine.sequence import FinishReason, SeqStatus, Sequence
+from common.engine.timing import StepTiming
 from common.model.config import ModelConfig
 from common.model.weights import load_model
 from common.text.tokenizer import Tokenizer
@@ -48,34 +48,6 @@ from common.wire.stage import Stage
 from kernels.dispatch import kernels_for
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """Where one engine step's time went (seconds, wall clock on the engine thread).
-
-    On a GPU the forward is launched asynchronously and waited for when the sampled tokens
-    are read back, so there `forward_s` is mostly launch time and `sample_s` holds the wait.
-    """
-
-    admit_s: float  # commands applied: new requests, landed KV admitted, aborts, releases
-    schedule_s: float
-    forward_s: float  # inputs built, model run, logits
-    sample_s: float
-    output_s: float  # outputs made, records updated, state published
-    num_decode: int  # sequences in the batch that decode one token
-    num_prefill_tokens: int
-
-    @property
-    def total_s(self) -> float:
-        return self.admit_s + self.schedule_s + self.forward_s + self.sample_s + self.output_s
-
-    @property
-    def kind(self) -> str:
-        """decode (decode tokens only), prefill (prompt chunks only) or mixed."""
-        if not self.num_prefill_tokens:
-            return "decode"
-        return "mixed" if self.num_decode else "prefill"
 
 
 class LLMEngine:
@@ -414,17 +386,13 @@ class LLMEngine:
                     batch, sampled.tokens, sampled.logprobs, sampled.prompt_logprobs
                 )
                 outputs += self._pin_computed(batch)
-            return self._finish_step(outputs, batch, t0, t1, t2, t3)
+            return self._finish_step(outputs, batch, (t0, t1, t2, t3))
 
     def _finish_step(
-        self,
-        outputs: list[StepOutput],
-        batch: ScheduledBatch,
-        t0: float,
-        t1: float,
-        t2: float,
-        t3: float,
+        self, outputs: list[StepOutput], batch: ScheduledBatch, stamps: tuple[float, ...]
     ) -> list[StepOutput]:
+        """Records updated from the step's outputs, state published, the step's timing
+        reported (`stamps`: started, commands applied, scheduled, forward done)."""
         for out in outputs:
             if out.kind is OutputKind.HELD:
                 assert out.held_blocks is not None
@@ -437,18 +405,7 @@ class LLMEngine:
                     del self._forks[parent]
         self._publish()
         if len(batch) and self.on_step is not None:
-            sample_s = self.runner.last_sample_s
-            self.on_step(
-                StepTiming(
-                    admit_s=t1 - t0,
-                    schedule_s=t2 - t1,
-                    forward_s=t3 - t2 - sample_s,
-                    sample_s=sample_s,
-                    output_s=time.perf_counter() - t3,
-                    num_decode=batch.num_decode,
-                    num_prefill_tokens=batch.num_tokens - batch.num_decode,
-                )
-            )
+            self.on_step(StepTiming.of(batch, stamps, self.runner.last_sample_s))
         return outputs
 
     def apply_commands(self) -> list[StepOutput]:

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from common.engine.engine import StepTiming
+from common.engine.timing import StepTiming
 from common.wire.stage import NODE_STAGES
 
 

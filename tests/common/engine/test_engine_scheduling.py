@@ -282,7 +282,7 @@ def test_random_schedules_match_solo_runs(trial, make_engine, engine_driver, sol
 
 
 def test_every_step_reports_where_its_time_went(make_engine, engine_driver):
-    from common.engine.engine import StepTiming
+    from common.engine.timing import StepTiming
 
     engine = make_engine(max_num_batched_tokens=32)
     seen: list[StepTiming] = []

@@ -1,0 +1,53 @@
+"""Where one engine step's time went: `StepTiming`, reported to `LLMEngine.on_step` (the
+node's step-time histograms in /metrics, split into admit / schedule / forward / sample /
+output)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from common.engine.scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one engine step's time went (seconds, wall clock on the engine thread).
+
+    On a GPU the forward is launched asynchronously and waited for when the sampled tokens
+    are read back, so there `forward_s` is mostly launch time and `sample_s` holds the wait.
+    """
+
+    admit_s: float  # commands applied: new requests, landed KV admitted, aborts, releases
+    schedule_s: float
+    forward_s: float  # inputs built, model run, logits
+    sample_s: float
+    output_s: float  # outputs made, records updated, state published
+    num_decode: int  # sequences in the batch that decode one token
+    num_prefill_tokens: int
+
+    @property
+    def total_s(self) -> float:
+        return self.admit_s + self.schedule_s + self.forward_s + self.sample_s + self.output_s
+
+    @property
+    def kind(self) -> str:
+        """decode (decode tokens only), prefill (prompt chunks only) or mixed."""
+        if not self.num_prefill_tokens:
+            return "decode"
+        return "mixed" if self.num_decode else "prefill"
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, stamps: tuple[float, ...], sample_s: float) -> StepTiming:
+        """The timing of a step that ran `batch`, from its stamps (started, commands applied,
+        scheduled, forward done; its outputs end now) and the runner's sampling time."""
+        t0, t1, t2, t3 = stamps
+        return cls(
+            admit_s=t1 - t0,
+            schedule_s=t2 - t1,
+            forward_s=t3 - t2 - sample_s,
+            sample_s=sample_s,
+            output_s=time.perf_counter() - t3,
+            num_decode=batch.num_decode,
+            num_prefill_tokens=batch.num_tokens - batch.num_decode,
+        )
