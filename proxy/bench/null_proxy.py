@@ -89,6 +89,11 @@ async def _serve_client(
             writer.write(_chunk(_DONE % tokens) + b"0\r\n\r\n")
     except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
         pass  # the client went away (or a stand-in did): drop the connection
+    except asyncio.CancelledError:
+        # Shutdown: asyncio.run cancels the idle handlers. Python 3.11's start_server asks a
+        # handler task for its exception, which raises (and logs a traceback) for a
+        # cancelled one, so the handler ends normally instead.
+        pass
     finally:
         prefill.close()
         decode.close()
