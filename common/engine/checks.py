@@ -8,7 +8,7 @@ fault); `check_block_owners` raises AssertionError naming books that disagree (o
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from common.engine.block_allocator import BlockAllocator, BlockState
@@ -34,7 +34,7 @@ class RequestChecks:
     max_model_len: int
     block_size: int
     capacity_tokens: int  # KV tokens the whole cache holds
-    grammars: Callable[[], Grammars]  # made on first use (structured output)
+    grammars: Grammars  # structured output (its compiler loads on first use)
 
     def request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         n = len(prompt_token_ids)
@@ -59,7 +59,7 @@ class RequestChecks:
     def constraint(self, spec: StructuredOutput) -> None:
         """The constraint compiles (xgrammar caches it)."""
         try:
-            self.grammars().compile(spec)
+            self.grammars.compile(spec)
         except GrammarError as e:
             raise RequestError(str(e), param=CONSTRAINT_PARAM) from None
 

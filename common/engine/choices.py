@@ -61,3 +61,49 @@ def fork_choices(
         fork.scheduled_time = time.time()
         scheduler.add_running(fork)
     return ids
+
+
+class ChoiceBook:
+    """The engine's books of choices: each forked request's choice ids (choices 1..n-1), and
+    the choices aborted before their request forked (a decode node still receiving the KV),
+    which end at the fork."""
+
+    def __init__(self) -> None:
+        self.forks: dict[str, list[str]] = {}  # request id -> its choices' ids
+        self._early_ends: dict[str, set[int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.forks)
+
+    def add(self, request_id: str, choice_ids: list[str]) -> None:
+        self.forks[request_id] = choice_ids
+
+    def pop(self, request_id: str) -> list[str]:
+        """Forget the request's choices; their ids (choice j at index j - 1)."""
+        return self.forks.pop(request_id, [])
+
+    def target(self, request_id: str, choice: int, pending: bool) -> str | None:
+        """The id of choice `choice` of a forked request (choice 0: the request's own), or
+        None: no such choice, or not forked yet. A request not forked yet but `pending`
+        (it will fork) notes the choice, to end it at the fork (`take_early_ends`)."""
+        forks = self.forks.get(request_id)
+        if forks is None:
+            if pending:
+                self._early_ends.setdefault(request_id, set()).add(choice)
+            return None
+        if choice > len(forks):
+            return None
+        return request_id if choice == 0 else forks[choice - 1]
+
+    def take_early_ends(self, request_id: str) -> list[int]:
+        """The choices aborted before the request forked, in order (forgotten)."""
+        return sorted(self._early_ends.pop(request_id, ()))
+
+    def forget_ended(self, alive: Callable[[str], bool]) -> None:
+        """Drop the requests whose every choice (and the request itself) ended."""
+        for parent, ids in list(self.forks.items()):
+            if not alive(parent) and not any(alive(f) for f in ids):
+                del self.forks[parent]
+
+    def forget(self, request_id: str) -> None:
+        self._early_ends.pop(request_id, None)

@@ -36,5 +36,14 @@ class CallOnEngine:
     fn: Callable[[], object]
     done: Callable[[object, BaseException | None], None]
 
+    def run(self) -> None:
+        """On the engine thread: `fn`, its outcome handed to `done` (an error too)."""
+        try:
+            result = self.fn()
+        except Exception as e:  # the caller's error, handed back to it
+            self.done(None, e)
+            return
+        self.done(result, None)
+
 
 EngineCommand = AddRequest | AbortRequest | ReleaseHeldKV | AdmitLanded | CallOnEngine

@@ -56,8 +56,11 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
     ) -> None:
         device = kv_cache.device
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        if device.type != "cuda" or kernels.name != "triton":
+            raise ValueError(
+                "--cuda-graphs needs a CUDA device and the Triton kernels, got "
+                f"{device} with {kernels.name}"
+            )
         self.model, self.kv_cache, self.kernels = model, kv_cache, kernels
         self.sizes = capture_sizes(max_num_seqs)
         self.width = max_blocks_per_seq

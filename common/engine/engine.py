@@ -1,11 +1,11 @@
 """The engine core both node roles drive: add, abort, step.
 
 Threads: the *engine thread* (the one that calls `step`) owns the allocator, the scheduler
-and the request records; nothing else touches them, so there is no lock. Other threads talk
-to it through commands: `add_request`, `admit_prefilled`, `abort_request`, `release_held` and
-`call` only enqueue (a deque append), and `step` applies them first. Only one thread
-submits requests (the node's event loop, or the offline caller). `state()` returns the
-snapshot the engine thread published last. Nothing in a step waits on I/O.
+and the request records (or a thread holding the books lock during a forward pass:
+`reserve_now`). Other threads talk to it through commands: `add_request`, `admit_prefilled`,
+`abort_request`, `release_held` and `call` only enqueue, and `step` applies them first.
+`state()` is the snapshot published last. Nothing in a step waits on I/O. Beside it:
+reservations.py (decode role), pins.py (streamed KV), choices.py (n > 1).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from common.engine.block_allocator import BlockAllocator, BlockState
 from common.engine.checks import RequestChecks, RequestError, check_block_owners
-from common.engine.choices import fork_choices
+from common.engine.choices import ChoiceBook, fork_choices
 from common.engine.commands import (
     AbortRequest,
     AddRequest,
@@ -35,11 +35,14 @@ from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.device import resolve_device
 from common.engine.grammar import GrammarError, Grammars
 from common.engine.offline import Completion, run_offline, warm_up
+from common.engine.pins import pin_computed
 from common.engine.records import RequestRecord
+from common.engine.reservations import Reservations
 from common.engine.runner import ModelRunner
 from common.engine.scheduler import OutputKind, ScheduledBatch, Scheduler, StepOutput
-from common.engine.sequence import FinishReason, SeqStatus, Sequence
-from common.engine.timing import StepTiming
+from common.engine.sequence import FinishReason, Sequence
+from common.engine.snapshot import snapshot
+from common.engine.timing import StepTiming, prefill_rate
 from common.model.config import ModelConfig
 from common.model.weights import load_model
 from common.text.tokenizer import Tokenizer
@@ -89,12 +92,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.kernels, mc.eos_token_ids
         )
-        if config.cuda_graphs:
-            if self.device.type != "cuda" or self.kernels.name != "triton":
-                raise ValueError(
-                    "--cuda-graphs needs a CUDA device and the Triton kernels, got "
-                    f"{self.device} with {self.kernels.name}"
-                )
+        if config.cuda_graphs:  # (ValueError without a CUDA device and the Triton kernels)
             width = -(-self.max_model_len // config.block_size)
             self.runner.graphs = DecodeGraphs(
                 self.model, self.kv_cache, self.kernels, config.max_num_seqs, width
@@ -108,12 +106,14 @@ class LLMEngine:
         self._arrivals = 0
         self._snapshot: dict[str, object] = {}
         self.integrity_violations = 0  # found by check_integrity_when_idle
-        self.prefill_tokens_per_s: float | None = None  # measured (see _measure)
+        self.prefill_tokens_per_s: float | None = None  # measured (timing.prefill_rate)
         self._step_times: deque[float] = deque(maxlen=64)  # the last steps' forward seconds
         # Called on the engine thread after every step that ran a batch (node metrics).
         self.on_step: Callable[[StepTiming], None] | None = None
-        self._grammars: Grammars | None = None
-        self._grammars_lock = threading.Lock()
+        # Structured output's compiler; the tokenizer loads with it, on first use.
+        self.grammars = Grammars(
+            lambda: Tokenizer.from_dir(config.model), mc.vocab_size, mc.eos_token_ids
+        )
         # The books (records, scheduler, allocator): the engine thread holds this lock for
         # each step but its forward pass, so that another thread may reserve blocks while
         # the model runs (`reserve_now`) instead of waiting for the step's end.
@@ -123,10 +123,12 @@ class LLMEngine:
             self.max_model_len,
             config.block_size,
             self.allocator.num_blocks * config.block_size,
-            lambda: self.grammars,
+            self.grammars,
         )
-        self._forks: dict[str, list[str]] = {}  # request id -> its choices' ids (n > 1)
-        self._early_ends: dict[str, set[int]] = {}  # choices aborted before their fork
+        self._choices = ChoiceBook()  # n > 1
+        self._reservations = Reservations(
+            self.allocator, self.scheduler, self._records, config.max_num_seqs
+        )  # decode role
         self.scheduler.on_fork = self._fork
         self._publish()
 
@@ -212,30 +214,11 @@ class LLMEngine:
         choices: int = 1,
     ) -> list[int] | None:
         """Reserve destination blocks for `num_tokens` of incoming KV, or None if full
-        (engine thread, or a thread holding the books: `reserve_now`).
-
-        With the prompt, the leading blocks this node has cached are shared rather than
-        reserved empty (the record's num_cached_blocks): the transfer skips them. Keeps the
-        scheduler's watermark free so running sequences can still grow, and counts
-        reservations against max_num_seqs. `choices` (n > 1): the sequences it becomes, each
-        with its own copy of the prompt's last block.
-        """
-        need = -(-num_tokens // self.config.block_size)
-        busy = len(self.scheduler.running) + self._num_reserved()
-        if request_id in self._records or busy + choices > self.config.max_num_seqs:
-            return None
-        hits = self.scheduler.cached_prompt_blocks(prompt_token_ids or [])[:need]
-        revived = sum(1 for b in hits if self.allocator.is_cached_free(b))
-        fresh = need - len(hits)
-        copies = choices - 1
-        if not self.allocator.can_allocate(fresh + revived + copies + self.scheduler.watermark):
-            return None
-        self.allocator.share(hits, BlockState.RESERVED)
-        blocks = hits + self.allocator.allocate(fresh, BlockState.RESERVED)
-        record = RequestRecord(request_id, None, blocks, Stage.RESERVED)
-        record.num_cached_blocks = len(hits)
-        self._records[request_id] = record
-        self._publish()
+        (engine thread, or a thread holding the books: `reserve_now`). Cached prompt
+        blocks are shared, not reserved (`Reservations.reserve`)."""
+        blocks = self._reservations.reserve(request_id, num_tokens, prompt_token_ids, choices)
+        if blocks is not None:
+            self._publish()
         return blocks
 
     def free_reserved(self, request_id: str) -> None:
@@ -244,9 +227,6 @@ class LLMEngine:
         if record is not None and record.stage is Stage.RESERVED:
             self._free_kept(record)
             self._publish()
-
-    def _num_reserved(self) -> int:
-        return sum(1 for r in self._records.values() if r.stage is Stage.RESERVED)
 
     def admit_prefilled(
         self,
@@ -263,17 +243,6 @@ class LLMEngine:
         seq.num_prompt_tokens = len(prompt_token_ids)
         self._constrain(seq)  # the matcher rebuilt from the tokens sampled elsewhere
         self._inbox.append(AdmitLanded(seq))
-
-    @property
-    def grammars(self) -> Grammars:
-        """Structured output's compiler for this model (made on first use, by whichever
-        thread needs it first)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                tokenizer = Tokenizer.from_dir(self.config.model)
-                eos = self.model_config.eos_token_ids
-                self._grammars = Grammars(tokenizer, self.model_config.vocab_size, eos)
-            return self._grammars
 
     def _constrain(self, seq: Sequence) -> None:
         """Give a constrained sequence its matcher, fed its output so far; RequestError if
@@ -349,13 +318,8 @@ class LLMEngine:
         return run_offline(self, prompts, sampling, max_steps, on_output)
 
     def warm_up(self) -> float:
-        """Run each kind of step once before serving: a prefill of more than one block with
-        a decode batch behind it, greedy and sampled rows, so that the first request does
-        not pay for first use (Triton on CUDA compiles each kernel variant then; the CPU
-        warms its allocator and oneDNN's kernels). Leaves no trace: the cached blocks are
-        forgotten and every counter and measurement (evictions, KV event numbers, prefix
-        hit counts, preemptions, the prefill rate) is restored. Seconds taken. Call before
-        the engine thread starts."""
+        """Run each kind of step once before serving, leaving no trace (offline.warm_up);
+        seconds taken. Call before the engine thread starts."""
         seconds = warm_up(self)
         self._publish()
         return seconds
@@ -381,11 +345,15 @@ class LLMEngine:
             if sampled is not None:
                 seconds = t3 - t2
                 self._step_times.append(seconds)
-                self._measure(batch.num_tokens - batch.num_decode, seconds)
+                self.prefill_tokens_per_s = prefill_rate(
+                    self.prefill_tokens_per_s, batch.num_tokens - batch.num_decode, seconds
+                )
                 outputs += self.scheduler.postprocess(
                     batch, sampled.tokens, sampled.logprobs, sampled.prompt_logprobs
                 )
-                outputs += self._pin_computed(batch)
+                outputs += pin_computed(
+                    batch, self._records, self.allocator, self.config.block_size
+                )
             return self._finish_step(outputs, batch, (t0, t1, t2, t3))
 
     def _finish_step(
@@ -399,10 +367,8 @@ class LLMEngine:
                 self._records[out.request_id].hold(out.held_blocks)
             elif out.finished:
                 self._end(out.request_id)
-        if self._forks:  # forget the choices of requests whose every choice ended
-            for parent, ids in list(self._forks.items()):
-                if parent not in self._records and not any(f in self._records for f in ids):
-                    del self._forks[parent]
+        if self._choices:  # forget the choices of requests whose every choice ended
+            self._choices.forget_ended(self._records.__contains__)
         self._publish()
         if len(batch) and self.on_step is not None:
             self.on_step(StepTiming.of(batch, stamps, self.runner.last_sample_s))
@@ -434,8 +400,8 @@ class LLMEngine:
                         self._free_kept(record)
                 case AdmitLanded(seq):
                     outputs += self._admit(seq)
-                case CallOnEngine(fn, done):
-                    self._run_call(fn, done)
+                case CallOnEngine() as call:
+                    call.run()
         if applied:
             self._publish()
         return outputs
@@ -443,21 +409,16 @@ class LLMEngine:
     def _abort(self, request_id: str) -> list[StepOutput]:
         """Abort a request, every choice of it (n > 1) included."""
         outputs: list[StepOutput] = []
-        for j in range(1, len(self._forks.pop(request_id, [])) + 1):
-            outputs += self._abort_one(f"{request_id}#{j}", j, request_id)
+        for j, fid in enumerate(self._choices.pop(request_id), 1):
+            outputs += self._abort_one(fid, j, request_id)
         return outputs + self._abort_one(request_id)
 
     def _abort_choice(self, request_id: str, choice: int) -> list[StepOutput]:
-        forks = self._forks.get(request_id)
-        if forks is None:  # not forked yet (a decode node receiving its KV): at the fork
-            if request_id in self._records:
-                self._early_ends.setdefault(request_id, set()).add(choice)
+        """Abort one choice; one asked for before the fork ends at the fork."""
+        target = self._choices.target(request_id, choice, request_id in self._records)
+        if target is None:
             return []
-        if choice > len(forks):  # no such choice
-            return []
-        if choice == 0:
-            return self._abort_one(request_id)
-        return self._abort_one(forks[choice - 1], choice, request_id)
+        return self._abort_one(target, choice, request_id if choice else None)
 
     def _abort_one(
         self, request_id: str, choice: int = 0, route: str | None = None
@@ -478,25 +439,6 @@ class LLMEngine:
             self._free_kept(record)
         return []
 
-    def _pin_computed(self, batch: ScheduledBatch) -> list[StepOutput]:
-        """Streamed KV: pin the full prompt blocks this step completed of each sequence still
-        prefilling (positions past those pinned before) and report them."""
-        outputs: list[StepOutput] = []
-        bs = self.config.block_size
-        for seq in batch.seqs:
-            if not seq.stream_kv or seq.status is not SeqStatus.RUNNING or not seq.num_uncomputed:
-                continue
-            record = self._records[seq.request_id]
-            new = seq.block_table[len(record.pinned) : seq.num_computed_tokens // bs]
-            if new:
-                self.allocator.share(new, BlockState.HELD)
-                record.pinned += new
-                out = StepOutput(
-                    seq.request_id, [], False, kind=OutputKind.KV_COMPUTED, computed_blocks=new
-                )
-                outputs.append(out)
-        return outputs
-
     def _end(self, request_id: str) -> None:
         """The request's sequence ended (finished, aborted): drop its record, unless it has
         pinned blocks a write may read (streamed KV): those stay kept, HELD, until released."""
@@ -509,32 +451,14 @@ class LLMEngine:
             return
         self._forget(request_id)
 
-    @staticmethod
-    def _run_call(
-        fn: Callable[[], object], done: Callable[[object, BaseException | None], None]
-    ) -> None:
-        try:
-            result = fn()
-        except Exception as e:  # the caller's error, handed back to it
-            done(None, e)
-            return
-        done(result, None)
-
     def _admit(self, seq: Sequence) -> list[StepOutput]:
-        record = self._records[seq.request_id]
-        self.allocator.transition(record.blocks, BlockState.USED, BlockState.RESERVED)
-        seq.block_table = record.blocks
-        seq.num_computed_tokens = seq.num_tokens - 1  # all but the first token's KV
-        seq.scheduled_time = time.time()
-        record.admit(seq)
-        self.scheduler.add_running(seq)
-        self.scheduler.register_computed(seq)  # the landed prompt blocks can be shared now
+        self._reservations.admit(seq)
         if seq.sampling.n == 1:
             return []
         self._fork(seq)  # the prompt's KV came once, for every choice
         ended = self.scheduler.stop_at_admission(seq)  # choice 0 ended at its first token
         outputs = [] if ended is None else [ended]
-        for j in sorted(self._early_ends.pop(seq.request_id, ())):
+        for j in self._choices.take_early_ends(seq.request_id):
             if j or ended is None:
                 outputs += self._abort_choice(seq.request_id, j)
         return outputs
@@ -550,9 +474,10 @@ class LLMEngine:
             self._known_ids.add(fid)
             return fork
 
-        self._forks[parent.request_id] = fork_choices(
+        ids = fork_choices(
             parent, new_seq, self.allocator, self.scheduler, self.kv_cache, self.config.max_num_seqs
         )
+        self._choices.add(parent.request_id, ids)
 
     def _free_kept(self, record: RequestRecord) -> None:
         """Free a HELD or RESERVED block set (and its pins) and drop its record."""
@@ -563,17 +488,8 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._records.pop(request_id, None)
-        self._early_ends.pop(request_id, None)
+        self._choices.forget(request_id)
         self._known_ids.discard(request_id)
-
-    def _measure(self, prefill_tokens: int, seconds: float) -> None:
-        """Track prefill speed (tokens a second, over steps that were mostly prefill): what
-        a router divides queued prompt tokens by to estimate a wait."""
-        if prefill_tokens < 16 or seconds <= 0:
-            return
-        rate = prefill_tokens / seconds
-        old = self.prefill_tokens_per_s
-        self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
 
     # -- introspection ---------------------------------------------------------
 
@@ -582,29 +498,18 @@ class LLMEngine:
         return self._snapshot
 
     def _publish(self) -> None:
-        stages = [r.stage for r in self._records.values()]
-        self._snapshot = {
-            "blocks": self.allocator.counts(),
-            "requests": {
-                "waiting": len(self.scheduler.waiting),
-                "running": len(self.scheduler.running),
-                "held": stages.count(Stage.HELD),
-                "reserved": stages.count(Stage.RESERVED),
+        self._snapshot = snapshot(
+            self.allocator,
+            self.scheduler,
+            self._records.values(),
+            {
+                "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                # The slowest of the last steps: a proxy waits well beyond it before it
+                # calls a silent stream stalled.
+                "step_time_max_s": max(self._step_times, default=None),
+                "integrity_violations": self.integrity_violations,
             },
-            "prefix_cache": {
-                **self.allocator.cache_counts(),
-                "enabled": self.scheduler.prefix_caching,
-                "queried_tokens": self.scheduler.prefix_queries,
-                "hit_tokens": self.scheduler.prefix_hits,
-            },
-            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            # The slowest of the last steps: a proxy waits well beyond it before it calls a
-            # silent stream stalled.
-            "step_time_max_s": max(self._step_times, default=None),
-            "preemptions": self.scheduler.num_preemptions,
-            "integrity_violations": self.integrity_violations,
-        }
+        )
 
     def check_integrity_when_idle(self) -> bool:
         """`check_integrity`, run by the engine thread whenever it goes idle. A violation is

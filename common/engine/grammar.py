@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,9 +36,9 @@ class Grammars:
     """The engine's grammar compiler and matchers, for one model's vocabulary."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]
+        self, tokenizer: Callable[[], Tokenizer], vocab_size: int, stop_token_ids: Sequence[int]
     ) -> None:
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer  # loaded with the compiler, on the first constraint
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: GrammarCompiler | None = None
@@ -86,7 +86,7 @@ class Grammars:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                tok = self.tokenizer
+                tok = self._tokenizer()
                 stops = set(self.stop_token_ids)
                 special = tok.special_token_ids
                 vocab: list[Any] = [

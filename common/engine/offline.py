@@ -98,9 +98,12 @@ class _Warmable(Protocol):  # what of LLMEngine the warm-up touches
 
 
 def warm_up(engine: _Warmable) -> float:
-    """`LLMEngine.warm_up`: a prefill of more than one block with a decode batch behind it,
-    greedy and sampled rows; then the cached blocks forgotten and every counter restored.
-    Seconds taken."""
+    """`LLMEngine.warm_up`: each kind of step once, a prefill of more than one block with a
+    decode batch behind it, greedy and sampled rows, so that the first request does not pay
+    for first use (Triton on CUDA compiles each kernel variant then; the CPU warms its
+    allocator and oneDNN's kernels). Leaves no trace: the cached blocks are forgotten and
+    every counter and measurement (evictions, KV event numbers, prefix hit counts,
+    preemptions, the prefill rate) is restored. Seconds taken."""
     started = time.perf_counter()
     vocab = engine.model_config.vocab_size
     n = max(1, min(2 * engine.config.block_size + 1, engine.max_model_len - 4))

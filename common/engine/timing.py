@@ -51,3 +51,13 @@ class StepTiming:
             num_decode=batch.num_decode,
             num_prefill_tokens=batch.num_tokens - batch.num_decode,
         )
+
+
+def prefill_rate(old: float | None, prefill_tokens: int, seconds: float) -> float | None:
+    """Prefill speed, tokens a second, averaged over the steps that were mostly prefill
+    (`old`, then this step's): what a router divides queued prompt tokens by to estimate
+    a wait."""
+    if prefill_tokens < 16 or seconds <= 0:
+        return old
+    rate = prefill_tokens / seconds
+    return rate if old is None else 0.8 * old + 0.2 * rate
