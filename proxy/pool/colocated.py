@@ -11,7 +11,7 @@ from proxy.http.backend import GenerationRequest, NodeLost, TokenStream
 from proxy.metrics import DisaggMetrics
 from proxy.pool.client import NodeClient, NodeStream, NodeUnreachable
 from proxy.pool.disagg import DisaggConfig
-from proxy.pool.node_state import Role
+from proxy.pool.node_state import Node, Role
 from proxy.pool.registry import NodeRegistry
 from proxy.pool.relay import open_generate, relay, report_stall, report_unreachable
 from proxy.trace import TraceStore
@@ -37,26 +37,36 @@ class ColocatedBackend:
     async def generate(self, req: GenerationRequest) -> TokenStream:
         """The whole request on one node; a stall ends it with an error event (a colocated
         request is not migrated)."""
-        stream = await self._open(req)
+        stream, node, ticket = await self._open(req)
         try:
             chunks = relay(stream, req, self.client, traces=self.traces)
             async with aclosing(chunks):
                 async for chunk in chunks:
+                    node.computed(ticket)  # (the first token: the prompt is computed)
                     yield chunk
         except NodeLost as e:
             if e.cause == "stalled":
                 report_stall(self.registry, self.traces, self.metrics, req.request_id, e, "both")
             raise
+        finally:
+            node.computed(ticket)
 
-    async def _open(self, req: GenerationRequest) -> NodeStream:
+    async def _open(self, req: GenerationRequest) -> tuple[NodeStream, Node, int]:
+        """The stream of the node the router picks, the node, and the send's ticket (its
+        uncached prompt tokens count as queued there until the first token)."""
         tried: set[str] = set()
         while True:
             decision = self.registry.router.pick(Role.BOTH, req.prompt_token_ids, frozenset(tried))
             node = decision.node
-            node.sent(decision.chosen.uncached)
+            n = len(req.prompt_token_ids)
+            ticket = node.sent(decision.chosen.uncached, kv_tokens=n)
             self.traces.record(req.request_id, "routed", detail=decision.detail())
             try:
-                return await open_generate(self.client, self.registry, node, req)
+                try:
+                    return await open_generate(self.client, self.registry, node, req), node, ticket
+                except BaseException:
+                    node.computed(ticket)  # it will not compute this prompt
+                    raise
             except NodeUnreachable as e:
                 report_unreachable(self.registry, self.client, node, e, req.request_id)
                 tried.add(node.url)

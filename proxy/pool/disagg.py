@@ -181,14 +181,20 @@ class DisaggBackend:
         remote = placement.remote if placement is not None else None
         if placement is not None and placement.local:
             assert placement.local_best is not None
-            stream = await self._open_local(req, placement.local_best.node)
-            if stream is not None:
+            node, uncached = placement.local_best.node, placement.local_best.uncached
+            opened = await self._open_local(req, node, uncached)
+            if opened is not None:
+                stream, ticket = opened
                 self.budget.release(budget_id)
-                async with aclosing(
-                    relay(stream, req, self.client, self.queue, traces=self.traces)
-                ) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
+                try:
+                    async with aclosing(
+                        relay(stream, req, self.client, self.queue, traces=self.traces)
+                    ) as chunks:
+                        async for chunk in chunks:
+                            node.computed(ticket)  # (the first token: the prompt is computed)
+                            yield chunk
+                finally:
+                    node.computed(ticket)
                 return
             remote = None  # the decode node was unreachable: the prefill pool after all
         if self.config.kv_streaming:
@@ -263,23 +269,27 @@ class DisaggBackend:
         """A streamed prefill on `node`: queued for decode once the node accepted it, then
         its result; on any failure the queue entry is cancelled (NodeUnreachable: the node
         was lost, `_prefill` tries another)."""
-        call, accepted = await self._prefill_streamed_on(node, msg, uncached)
+        call, accepted, ticket = await self._prefill_streamed_on(node, msg, uncached)
         try:
-            entry = self._enqueue(req, None, accepted.kv, node.url)
-        except BaseException:
-            call.close()
-            raise
-        # Queued for decode while still in the PREFILL stage (the KV streams to whichever
-        # decode node takes it); INTERSTAGE once the first token came, as without streaming.
-        detail = "kv streamed while the prompt computes"
-        self.traces.record(req.request_id, "inter-stage queued", detail=detail)
-        try:
-            return entry, await self._streamed_result(call)
-        except BaseException:
-            self.queue.cancel(entry)
-            raise
+            try:
+                entry = self._enqueue(req, None, accepted.kv, node.url)
+            except BaseException:
+                call.close()
+                raise
+            # Queued for decode while still in the PREFILL stage (the KV streams to whichever
+            # decode node takes it); INTERSTAGE once the first token came, as without
+            # streaming.
+            detail = "kv streamed while the prompt computes"
+            self.traces.record(req.request_id, "inter-stage queued", detail=detail)
+            try:
+                return entry, await self._streamed_result(call)
+            except BaseException:
+                self.queue.cancel(entry)
+                raise
+            finally:
+                call.close()
         finally:
-            call.close()
+            node.computed(ticket)  # the first token came (or never will, from this call)
 
     async def _decode(
         self, req: GenerationRequest, stream: NodeStream, prefill_url: str
@@ -336,12 +346,20 @@ class DisaggBackend:
             router.expect(placement.local_best.node, prompt)
         return placement
 
-    async def _open_local(self, req: GenerationRequest, node: Node) -> NodeStream | None:
-        """The request's stream from `node`, which prefills it itself; None if `node` turned
-        out unreachable before taking it (and the prefill pool can take it instead)."""
+    async def _open_local(
+        self, req: GenerationRequest, node: Node, uncached: int
+    ) -> tuple[NodeStream, int] | None:
+        """The request's stream from `node`, which prefills it itself (`uncached` prompt
+        tokens to compute, the whole prompt's KV to keep), and the send's ticket; None if
+        `node` turned out unreachable before taking it (the prefill pool can take it)."""
+        n = len(req.prompt_token_ids)
         try:
-            with self.registry.track(node, len(req.prompt_token_ids)):
-                return await open_generate(self.client, self.registry, node, req)
+            with self.registry.track(node, uncached, kv_tokens=n) as ticket:
+                try:
+                    return await open_generate(self.client, self.registry, node, req), ticket
+                except BaseException:
+                    node.computed(ticket)
+                    raise
         except NodeUnreachable as e:
             self._unreachable(node, e, req.request_id)
             if not self.registry.routable(Role.PREFILL):
@@ -388,8 +406,8 @@ class DisaggBackend:
 
     async def _prefill_on(self, node: Node, msg: PrefillRequest, uncached: int) -> PrefillResult:
         """Prefill on `node`, counting the `uncached` prompt tokens it must compute as its
-        queued work (for routing) until a poll's state shows them."""
-        with self.registry.track(node, uncached):
+        queued work (for routing) until the call ends (computed, or never to be)."""
+        with self.registry.track(node, uncached) as ticket:
             try:
                 stamped = msg.model_copy(update={"epoch": node.epoch})  # stale: 409, retried
                 result = await self.client.prefill(node.url, stamped)
@@ -399,6 +417,8 @@ class DisaggBackend:
                 if not (isinstance(e, BackendError) and e.status < 500):
                     self.client.cancel_soon(node.url, msg.request_id)
                 raise
+            finally:
+                node.computed(ticket)
         if result.request_id != msg.request_id or (result.kv is None) == (
             result.finish_reason is None
         ):
@@ -409,21 +429,25 @@ class DisaggBackend:
 
     async def _prefill_streamed_on(
         self, node: Node, msg: PrefillRequest, uncached: int
-    ) -> tuple[PrefillStream, PrefillAccepted]:
-        """Start a streamed prefill on `node`, up to its acceptance (the KV handle)."""
-        with self.registry.track(node, uncached):
+    ) -> tuple[PrefillStream, PrefillAccepted, int]:
+        """Start a streamed prefill on `node`, up to its acceptance (the KV handle); with the
+        ticket of the `uncached` prompt tokens it must compute (`Node.computed` once they
+        are; here if it fails)."""
+        with self.registry.track(node, uncached) as ticket:
             try:
                 stamped = msg.model_copy(update={"epoch": node.epoch})  # stale: 409, retried
                 call = await self.client.prefill_streamed(node.url, stamped)
-            except NodeUnreachable:
-                raise
             except BaseException as e:  # as in _prefill_on
-                if not (isinstance(e, BackendError) and e.status < 500):
+                node.computed(ticket)
+                if not isinstance(e, NodeUnreachable) and not (
+                    isinstance(e, BackendError) and e.status < 500
+                ):
                     self.client.cancel_soon(node.url, msg.request_id)
                 raise
         try:
-            return call, await call.accepted()
+            return call, await call.accepted(), ticket
         except BaseException:  # it took the request, then failed or was dropped
+            node.computed(ticket)
             call.close()
             self.client.cancel_soon(node.url, msg.request_id)
             raise

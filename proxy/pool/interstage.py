@@ -327,7 +327,7 @@ class InterStageQueue:
                 self.client.cancel_soon(node.url, entry.request_id)
                 self._fail(entry, e, "failed")
                 return
-            node.sent(len(entry.request.prompt_token_ids))
+            node.sent(0, kv_tokens=len(entry.request.prompt_token_ids))  # nothing to compute
             self._accept(entry, stream)
             return
 

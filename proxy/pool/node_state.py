@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from common.wire.fsm import Transitions
+from proxy.pool.sent import SentLoad
 
 
 class Role(str, Enum):
@@ -120,9 +121,8 @@ class Node:
     state: NodeState | None = None  # the last /state read
     last_ok: float | None = None  # monotonic time of that read
     inflight: int = 0  # this proxy's requests in a call to the node now
-    # Sent since the current poll began: what the last /state cannot show yet.
-    sent_tokens: int = 0
-    sent_requests: int = 0
+    # What this proxy sent that the last /state cannot show yet (sent.py).
+    load: SentLoad = field(default_factory=SentLoad)
     # The role this proxy is moving the node to (POST /admin/nodes/role, the planner): it
     # stays DRAINING, with no new work, until the move ends.
     moving_to: Role | None = None
@@ -151,25 +151,32 @@ class Node:
 
     # -- load accounting ---------------------------------------------------------------------
 
-    def sent(self, num_tokens: int) -> None:
-        self.sent_tokens += num_tokens
-        self.sent_requests += 1
+    def sent(self, prefill_tokens: int, kv_tokens: int = 0) -> int:
+        """Count a request sent to the node until a poll's state shows it: `prefill_tokens`
+        of prompt it must compute (until then, or until `computed`), and for a decode the
+        `kv_tokens` of KV it keeps. Its ticket."""
+        return self.load.send(prefill_tokens, kv_tokens)
 
-    def sent_mark(self) -> tuple[int, int]:
-        return self.sent_tokens, self.sent_requests
+    def computed(self, ticket: int) -> None:
+        """The node computed the prompt of send `ticket` (its first token came, or the call
+        ended without it): no longer queued there, whenever the next poll comes."""
+        self.load.computed(ticket)
 
-    def forget_sent(self, mark: tuple[int, int]) -> None:
-        """A poll that began at `mark` came back: what was sent before it is in its state."""
-        self.sent_tokens -= mark[0]
-        self.sent_requests -= mark[1]
+    @property
+    def sent_tokens(self) -> int:
+        return self.load.tokens
+
+    @property
+    def sent_requests(self) -> int:
+        return self.load.requests
 
     def observe(self, state: NodeState, now: float) -> None:
         self.state, self.last_ok = state, now
 
     def prefill_load(self) -> int:
-        """Queued prefill tokens, as last seen plus sent since."""
+        """Queued prefill tokens: as last seen, less computed since, plus sent since."""
         queued = self.state.queued_prefill_tokens if self.state is not None else 0
-        return queued + self.sent_tokens
+        return self.load.queued(queued)
 
     def decode_room(self) -> tuple[bool, int]:
         """(has a free sequence slot, estimated free blocks): larger is roomier."""
@@ -177,7 +184,7 @@ class Node:
             return True, 0
         cap = self.state.capacity
         block_size = cap.block_size if cap is not None and cap.block_size > 0 else 16
-        free = self.state.free_blocks() - -(-self.sent_tokens // block_size)
+        free = self.state.free_blocks() - -(-self.load.kv_tokens // block_size)
         if cap is None or cap.max_num_seqs <= 0:
             return True, free
         slots = cap.max_num_seqs - cap.running - cap.reserved - self.sent_requests

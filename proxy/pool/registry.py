@@ -179,12 +179,14 @@ class NodeRegistry:
         return sorted(nodes, key=room, reverse=True)
 
     @contextlib.contextmanager
-    def track(self, node: Node, num_tokens: int) -> Iterator[None]:
-        """Count a request sent to `node` (for routing) while the block runs."""
-        node.sent(num_tokens)
+    def track(self, node: Node, prefill_tokens: int, kv_tokens: int = 0) -> Iterator[int]:
+        """Count a request sent to `node` (for routing: `Node.sent`, whose ticket it yields)
+        and in a call to it while the block runs. The caller says when its prompt is
+        computed (`Node.computed`)."""
+        ticket = node.sent(prefill_tokens, kv_tokens)
         node.inflight += 1
         try:
-            yield
+            yield ticket
         finally:
             node.inflight -= 1
 
@@ -269,7 +271,7 @@ class NodeRegistry:
             log.error("polling %s failed", url, exc_info=task.exception())
 
     async def _poll(self, node: Node) -> None:
-        mark = node.sent_mark()
+        mark = node.load.poll_began()
         began = asyncio.get_running_loop().time()
         try:
             healthy = await self.client.health(node.url)
@@ -288,7 +290,7 @@ class NodeRegistry:
             return
         if self._nodes.get(node.url) is not node:  # removed meanwhile
             return
-        node.forget_sent(mark)
+        node.load.poll_returned(mark)
         problem = self._mismatch(node.url, node.role, state, node.state)
         if problem:
             self._set(node, NodeStatus.REFUSED, problem)

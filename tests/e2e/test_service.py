@@ -516,8 +516,10 @@ def test_a_repeated_prompt_reports_its_cached_tokens(
     cluster: Cluster, tokenizer: Tokenizer
 ) -> None:
     """Issue 14: usage.prompt_tokens_details.cached_tokens, streamed and not, on both
-    endpoints. Of three identical requests, two reach the same prefill node (there are at
-    most two), and the later of them finds the prompt cached."""
+    endpoints. Of three identical requests, the second and third find the prompt cached: the
+    router sends each where the first left it (with 2p2d and `auto` there are four nodes
+    that could prefill it, and the node that had just computed the first no longer looks
+    busy with it until its next poll: proxy/pool/sent.py)."""
     client = _client(cluster)
     model = _model(client)
     prompt = tokenizer.decode(tokenizer.encode(CORPUS)[:120])
@@ -529,7 +531,7 @@ def test_a_repeated_prompt_reports_its_cached_tokens(
         texts.add(full.choices[0].text)
         cached.append(full.usage.prompt_tokens_details.cached_tokens)
         n_prompt = full.usage.prompt_tokens
-    assert len(texts) == 1 and max(cached[1:]) >= 0.75 * n_prompt, (cached, n_prompt)
+    assert len(texts) == 1 and min(cached[1:]) >= 0.75 * n_prompt, (cached, n_prompt)
     messages = [{"role": "user", "content": prompt}]
     chat_cached = []
     for _ in range(3):
@@ -540,7 +542,7 @@ def test_a_repeated_prompt_reports_its_cached_tokens(
         assert usage.prompt_tokens_details is not None
         chat_cached.append(usage.prompt_tokens_details.cached_tokens)
         n_prompt = usage.prompt_tokens
-    assert max(chat_cached[1:]) >= 0.75 * n_prompt, (chat_cached, n_prompt)
+    assert min(chat_cached[1:]) >= 0.75 * n_prompt, (chat_cached, n_prompt)
     cluster.wait_baseline()  # cached blocks are free blocks
 
 

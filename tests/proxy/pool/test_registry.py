@@ -156,7 +156,7 @@ def test_decode_candidates_are_ordered_by_free_capacity() -> None:
             entries = [registry.add(n.url, "decode") for n in nodes]
             await registry.poll_all()
             assert registry.decode_candidates() == [entries[1], entries[2], entries[0]]
-            entries[2].sent(16 * 25)  # 25 blocks' worth sent since the poll: 5 left
+            entries[2].sent(0, kv_tokens=16 * 25)  # 25 blocks of KV sent since the poll: 5 left
             assert registry.decode_candidates() == [entries[1], entries[0], entries[2]]
 
     run(body())
