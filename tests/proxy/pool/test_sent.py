@@ -10,7 +10,7 @@ from proxy.pool.sent import SentLoad
 def test_a_send_counts_until_computed_or_until_a_later_poll_returns() -> None:
     load = SentLoad()
     a = load.send(100, kv_tokens=0)
-    b = load.send(50, kv_tokens=64)
+    load.send(50, kv_tokens=64)
     assert load.queued(reported=10) == 160 and load.requests == 2 and load.kv_tokens == 64
     load.computed(a)
     assert load.queued(10) == 60
