@@ -24,7 +24,7 @@ shared into a reservation (a decode node's cached prefix, which the transfer the
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 
 from common.wire.fsm import Transitions
@@ -77,6 +77,7 @@ class BlockAllocator:
         # Bounded: a consumer that falls behind sees a gap in the numbers and resyncs.
         self.events: deque[tuple[int, str, int]] | None = None
         self.event_no = 0
+        self.on_event: Callable[[], None] | None = None  # see record_events
 
     @property
     def num_free(self) -> int:
@@ -197,7 +198,8 @@ class BlockAllocator:
         return len(dropped)
 
     def record_events(self, limit: int = 1_000_000) -> deque[tuple[int, str, int]]:
-        """Start queueing KV events in `events` (the oldest dropped beyond `limit`)."""
+        """Start queueing KV events in `events` (the oldest dropped beyond `limit`); then
+        `on_event`, if set, is called after each one is queued, on the thread that made it."""
         self.events = deque(maxlen=limit)
         return self.events
 
@@ -210,6 +212,8 @@ class BlockAllocator:
         self.event_no += 1
         if self.events is not None:
             self.events.append((self.event_no, kind, h))
+            if self.on_event is not None:
+                self.on_event()
 
     def lookup(self, hashes: Iterable[int]) -> list[int]:
         """The blocks holding the longest cached prefix of `hashes` (allocated or free)."""

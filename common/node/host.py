@@ -96,6 +96,7 @@ class NodeHost:
         self.kv_events = KVEventPublisher(
             self.engine_id, events, self.config.host, self.config.cluster_token
         )
+        self.engine.allocator.on_event = self.kv_events.notify
         self._spawn(self.kv_events.run(), "kv-events")
         self.role.start()
         if self.config.cluster_token is None and not is_loopback(self.config.host):

@@ -11,6 +11,11 @@ ended knows it missed some (a slow subscriber, a dropped batch, a restart) and r
 the snapshot (`GET /internal/kv_cache`: the last event's number and every key), applying
 only later events on top.
 
+A batch goes out FLUSH_INTERVAL_S after the first event since the last one (so that the
+events of one step travel together); an idle node sends nothing and does not wake: the
+allocator calls `notify` as it queues each event, and the first since the last flush wakes
+the publisher's task.
+
 Keys are not the engine's block hashes but a keyed digest of them (`event_key`): with a
 cluster token, only a holder of the token can tell which prompt prefixes a node caches.
 """
@@ -62,11 +67,35 @@ class KVEventPublisher:
         port = self._pub.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.dropped = 0  # batches the socket refused (a subscriber then resyncs)
+        self.flushes = 0  # wake-ups that flushed (none while the node is idle)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()
+        self._woken = False  # a wake-up is on its way; the next event need not send one
+
+    def notify(self) -> None:
+        """Any thread (the engine's, as the allocator queues an event): the first event
+        since the last flush wakes `run`; the others ride with it."""
+        loop = self._loop
+        if self._woken or loop is None:
+            return
+        self._woken = True
+        try:
+            loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the loop closed (node shutting down): nothing to publish to
+            pass
 
     async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.flush()  # what was queued before this task ran
         while True:
-            await asyncio.sleep(FLUSH_INTERVAL_S)
+            await self._wake.wait()
+            await asyncio.sleep(FLUSH_INTERVAL_S)  # the rest of the step's events
+            # Cleared before the drain: an event queued from here on wakes the next round,
+            # one queued before is in this drain.
+            self._wake.clear()
+            self._woken = False
             self.flush()
+            self.flushes += 1
 
     def flush(self) -> None:
         drained = []
@@ -80,5 +109,6 @@ class KVEventPublisher:
                 self.dropped += 1
 
     def close(self) -> None:
+        self._loop = None
         self._pub.close(linger=0)
         self._ctx.term()
