@@ -41,8 +41,11 @@ class ColocatedBackend:
         try:
             chunks = relay(stream, req, self.client, traces=self.traces)
             async with aclosing(chunks):
+                computed = False
                 async for chunk in chunks:
-                    node.computed(ticket)  # (the first token: the prompt is computed)
+                    if not computed:  # the first token: the prompt is computed
+                        node.computed(ticket)
+                        computed = True
                     yield chunk
         except NodeLost as e:
             if e.cause == "stalled":

@@ -190,8 +190,11 @@ class DisaggBackend:
                     async with aclosing(
                         relay(stream, req, self.client, self.queue, traces=self.traces)
                     ) as chunks:
+                        computed = False
                         async for chunk in chunks:
-                            node.computed(ticket)  # (the first token: the prompt is computed)
+                            if not computed:  # the first token: the prompt is computed
+                                node.computed(ticket)
+                                computed = True
                             yield chunk
                 finally:
                     node.computed(ticket)
