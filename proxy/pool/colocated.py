@@ -5,6 +5,7 @@ stream ends the request with an error event (a colocated request is not migrated
 
 from __future__ import annotations
 
+import functools
 from contextlib import aclosing
 
 from proxy.http.backend import GenerationRequest, NodeLost, TokenStream
@@ -38,21 +39,16 @@ class ColocatedBackend:
         """The whole request on one node; a stall ends it with an error event (a colocated
         request is not migrated)."""
         stream, node, ticket = await self._open(req)
+        computed = functools.partial(node.computed, ticket)  # at the first token
         try:
-            chunks = relay(stream, req, self.client, traces=self.traces)
+            chunks = relay(stream, req, self.client, traces=self.traces, on_first=computed)
             async with aclosing(chunks):
-                computed = False
                 async for chunk in chunks:
-                    if not computed:  # the first token: the prompt is computed
-                        node.computed(ticket)
-                        computed = True
                     yield chunk
         except NodeLost as e:
             if e.cause == "stalled":
                 report_stall(self.registry, self.traces, self.metrics, req.request_id, e, "both")
             raise
-        finally:
-            node.computed(ticket)
 
     async def _open(self, req: GenerationRequest) -> tuple[NodeStream, Node, int]:
         """The stream of the node the router picks, the node, and the send's ticket (its

@@ -36,6 +36,7 @@ of its work at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -186,18 +187,13 @@ class DisaggBackend:
             if opened is not None:
                 stream, ticket = opened
                 self.budget.release(budget_id)
-                try:
-                    async with aclosing(
-                        relay(stream, req, self.client, self.queue, traces=self.traces)
-                    ) as chunks:
-                        computed = False
-                        async for chunk in chunks:
-                            if not computed:  # the first token: the prompt is computed
-                                node.computed(ticket)
-                                computed = True
-                            yield chunk
-                finally:
-                    node.computed(ticket)
+                computed = functools.partial(node.computed, ticket)  # at the first token
+                chunks = relay(
+                    stream, req, self.client, self.queue, traces=self.traces, on_first=computed
+                )
+                async with aclosing(chunks):
+                    async for chunk in chunks:
+                        yield chunk
                 return
             remote = None  # the decode node was unreachable: the prefill pool after all
         if self.config.kv_streaming:

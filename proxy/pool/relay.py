@@ -5,6 +5,7 @@ unreachable node (`report_stall`, `report_unreachable`)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from common.wire.node_messages import GenerateRequest
 from common.wire.stage import Stage
@@ -80,12 +81,15 @@ async def relay(
     queue: InterStageQueue | None = None,
     prefill_url: str | None = None,
     traces: TraceStore | None = None,
+    on_first: Callable[[], None] | None = None,
 ) -> TokenStream:
     """A node's token stream of `req` as TokenChunks, until each of its choices finished
     (those the client is done with, `req.choice_ends`, are cancelled on the node); on any
     early end (close, error) the stream is dropped and the request cancelled on the node
     (and on `prefill_url` while no token came, since the KV transfer may still be in
-    flight). Signals `queue` that capacity freed up."""
+    flight). Signals `queue` that capacity freed up. `on_first` runs at the first chunk,
+    or at the end if none came (a node that prefills the prompt: it is computed then, or
+    never will be)."""
     finished = received = False
     ended: set[int] = set()
     ends, choices = req.choice_ends, req.sampling.n
@@ -99,8 +103,11 @@ async def relay(
                 if stream.events and traces is not None:
                     traces.record_node(stream.request_id, stream.url, stream.events)
                 stream.events = []
-            if not received and traces is not None:
-                traces.enter(stream.request_id, Stage.DECODE)
+            if not received:
+                if traces is not None:
+                    traces.enter(stream.request_id, Stage.DECODE)
+                if on_first is not None:
+                    on_first()
             received = True
             if chunk.finish_reason is not None:
                 ended.add(chunk.choice)
@@ -109,6 +116,8 @@ async def relay(
             if finished:
                 return
     finally:
+        if not received and on_first is not None:
+            on_first()
         if ends is not None:
             ends.detach()
         stream.close()
