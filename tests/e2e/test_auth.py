@@ -73,7 +73,9 @@ def test_the_proxy_serves_through_authenticated_nodes(cluster: Cluster) -> None:
     assert cluster.proxy is not None
     client = openai.OpenAI(base_url=f"{cluster.proxy.url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    out = client.completions.create(model=model, prompt="hi", max_tokens=4)
+    out = client.completions.create(
+        model=model, prompt="hi", max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert out.usage is not None and out.usage.completion_tokens == 4
     cluster.wait_baseline()
 
@@ -88,7 +90,10 @@ def test_api_key_guards_the_openai_api(cluster: Cluster) -> None:
     good = openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0)
     model = good.models.list().data[0].id
     out = good.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
     )
     assert out.usage is not None and out.usage.completion_tokens == 3
     assert call(f"{proxy.url}/health")[0] == 200
