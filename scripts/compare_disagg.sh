@@ -240,7 +240,7 @@ client_args() {  # sets `common`: the bench-serve flags every run against $url s
     # it hit the cache 96% of the time)
     common=(--base-url "$url" --endpoint completions --dataset "$dataset" --seed "$seed"
             --max-concurrency "$max_conc" --request-timeout-s "$request_timeout"
-            --drain-timeout-s "$request_timeout" --no-progress --reset-prefix-cache
+            --drain-timeout-s "$request_timeout" --no-progress --reset-prefix-cache --save-detailed
             --cluster-token-file "$out/$name/node-logs/cluster-token")
 }
 

@@ -42,6 +42,7 @@ class BenchConfig:
     seed: int = 0
     json_path: Path | None = None
     plot_dir: Path | None = None
+    save_detailed: bool = False  # per-request records (TTFT, every ITL gap) in the JSON
     progress: bool = True
     search: SearchConfig | None = None  # --goodput-search: rates holds only its start
     reset_prefix_cache: bool = False  # POST /admin/reset_prefix_cache before each run
@@ -290,6 +291,12 @@ def make_parser(description: str = "") -> argparse.ArgumentParser:
     g = p.add_argument_group("output (a table on stdout, a progress bar on stderr)")
     g.add_argument("--json", type=Path, default=None, help="results file (see above)")
     g.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
+    g.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="--json also gets a 'requests' list: each request's send time, token counts, "
+        "TTFT and every gap between its chunks (ITL), in ms",
+    )
     g.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
@@ -366,6 +373,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         json_path=args.json,
         plot_dir=args.plot_dir,
+        save_detailed=args.save_detailed,
         progress=args.progress,
         search=search,
         reset_prefix_cache=args.reset_prefix_cache,

@@ -13,7 +13,8 @@ attainment (share of sent requests meeting every SLO given) and a per-run goodpu
 (requests per second meeting them). Output goes to a table on stdout, `--json FILE` (one
 rate: FILE; a sweep: one file per rate, same schema, run.json -> run-rate1.json,
 run-rate2.json, ...) and `--plot-dir DIR` (cdf-rate<R>.png per run, latency_vs_rate.png
-for a sweep).
+for a sweep). `--save-detailed` adds each request's record to the JSON (send time, token
+counts, TTFT, every ITL gap), to find which requests and which gaps make a tail.
 
 `--goodput-search --slo-ttft-ms T --slo-tpot-ms P` finds goodput as DistServe defines it:
 the highest rate at which at least 90% (--goodput-attainment) of the requests meet both
@@ -55,7 +56,7 @@ from proxy.bench.report import (
     sweep_table,
 )
 from proxy.bench.search import RateSearch, document
-from proxy.bench.stats import samples_ms, summarize
+from proxy.bench.stats import detailed, samples_ms, summarize
 from proxy.bench.workload import (
     ConversationWorkload,
     JsonlWorkload,
@@ -154,9 +155,10 @@ async def run_rate(
     else:
         outcome = await run_load(load, _items(cfg, tokenizer), send, cfg.seed + 1, progress)
     summary = summarize(outcome.results, outcome.duration_s, cfg.slo)
-    return {"schema": SCHEMA, "config": cfg.record(model, rate), **summary}, samples_ms(
-        outcome.results
-    )
+    if cfg.save_detailed:
+        summary["requests"] = detailed(outcome.results)
+    doc = {"schema": SCHEMA, "config": cfg.record(model, rate), **summary}
+    return doc, samples_ms(outcome.results)
 
 
 def json_paths(path: Path, rates: tuple[float, ...]) -> list[Path]:

@@ -93,6 +93,29 @@ def samples_ms(results: list[RequestResult]) -> dict[str, list[float]]:
     }
 
 
+def detailed(results: list[RequestResult]) -> list[dict[str, Any]]:
+    """One record per request, in send order (`--save-detailed`): where a tail comes from
+    (which request, which gap) is lost once the samples are pooled."""
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds * 1e3, 3)
+
+    return [
+        {
+            "start_ms": ms(r.start_s),
+            "ok": r.ok,
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "output_tokens": r.output_tokens,
+            "ttft_ms": ms(r.ttft_s),
+            "e2el_ms": ms(r.e2el_s),
+            "itl_ms": [ms(gap) for gap in r.itl_s],
+            "error": r.error,
+        }
+        for r in sorted(results, key=lambda r: r.start_s)
+    ]
+
+
 def _rate(count: float, duration_s: float) -> float:
     return count / duration_s if duration_s > 0 else 0.0
 

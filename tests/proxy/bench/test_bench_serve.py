@@ -406,6 +406,41 @@ def test_every_kind_of_failure_is_counted_once(tmp_path: Path) -> None:
     assert all(b["stream_options"] == {"include_usage": True} for b in bodies)
 
 
+def test_save_detailed_keeps_every_request_and_every_gap(tmp_path: Path) -> None:
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(
+        "".join(json.dumps({"prompt": p, "max_tokens": 3}) + "\n" for p in ["ok", "busy"])
+    )
+    out = tmp_path / "r.json"
+
+    async def body() -> None:
+        runner = await _misbehaving_server([])
+        try:
+            host, port = runner.addresses[0][:2]
+            argv = ["--base-url", f"http://{host}:{port}/v1", "--dataset", str(dataset)]
+            argv += ["--num-requests", "2", "--rate", "50", "--json", str(out), "--no-progress"]
+            await bench(config_from_args(build_parser().parse_args([*argv, "--save-detailed"])))
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(body(), 20))
+    doc = json.loads(out.read_text())
+    ok, busy = sorted(doc["requests"], key=lambda r: not r["ok"])
+    assert (ok["ok"], ok["output_tokens"], ok["prompt_tokens"], ok["error"]) == (True, 3, 1, None)
+    assert len(ok["itl_ms"]) == 2 and all(gap >= 10.0 for gap in ok["itl_ms"])  # 10 ms sleeps
+    assert 0 < ok["ttft_ms"] <= ok["e2el_ms"]
+    assert (busy["ok"], busy["error"], busy["itl_ms"], busy["ttft_ms"]) == (
+        False,
+        "HTTP 503",
+        [],
+        None,
+    )
+    assert doc["itl_ms"]["max"] == pytest.approx(max(ok["itl_ms"]), abs=1e-3)
+    assert [r["start_ms"] for r in doc["requests"]] == sorted(
+        r["start_ms"] for r in doc["requests"]
+    )
+
+
 def test_random_prompts_can_share_a_prefix() -> None:
     items = list(itertools.islice(RandomWorkload(8, 3, prefix_len=30).items(seed=1), 20))
     words = [i.prompt.split() for i in items]
