@@ -241,10 +241,68 @@ def _results_lines(runs: list[Run]) -> list[str]:
     return lines
 
 
+def _quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (bench-serve's percentiles)."""
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def itl_split(bench: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the ITL tail is, from `--save-detailed` records: each request's first gap (its
+    first token to its second: on a disaggregated deployment the hand-off from the prefill
+    node to the decode node) apart from its later gaps (decode steps), and how many of the
+    gaps at or above the pooled p99 are first gaps. None without the records."""
+    records = [r for r in bench.get("requests") or [] if r["ok"] and r["itl_ms"]]
+    if not records:
+        return None
+    first = [r["itl_ms"][0] for r in records]
+    later = [g for r in records for g in r["itl_ms"][1:]]
+    pooled = bench["itl_ms"]["p99"]
+    tail = [(i == 0) for r in records for i, g in enumerate(r["itl_ms"]) if g >= pooled]
+    return {
+        "first_p50": _quantile(first, 0.5),
+        "first_p99": _quantile(first, 0.99),
+        "later_p50": _quantile(later, 0.5) if later else None,
+        "later_p99": _quantile(later, 0.99) if later else None,
+        "tail": len(tail),
+        "tail_first": sum(tail),
+        "gaps": len(first) + len(later),
+    }
+
+
+def _itl_split_lines(runs: list[Run]) -> list[str]:
+    splits = [(run, itl_split(run.bench)) for run in runs]
+    if not any(split for _, split in splits):
+        return []
+    lines = [
+        "Where the ITL tail is (fixed-rate run, from each request's record): its first gap, "
+        "first token to second (on 1P1D the hand-off: KV lands, the decode node admits at a "
+        "step boundary, then runs a step), apart from its later gaps (decode steps), p50 / p99 "
+        "in ms; and of the gaps at or above the pooled ITL p99, how many are first gaps.",
+        "",
+        "| deployment | first gap p50 / p99 | later gaps p50 / p99 | gaps >= ITL p99: first gaps |",
+        "|---|---:|---:|---:|",
+    ]
+    for run, split in splits:
+        if split is None:
+            lines.append(f"| {run.label} | - | - | - |")
+            continue
+        lines.append(
+            f"| {run.label} | {_ms(split['first_p50'])} / {_ms(split['first_p99'])} | "
+            f"{_ms(split['later_p50'])} / {_ms(split['later_p99'])} | "
+            f"{split['tail_first']} of {split['tail']} (of {split['gaps']} gaps) |"
+        )
+    return [*lines, ""]
+
+
 def render(runs: list[Run], out: Path, context: list[str], goal: Goal | None = None) -> str:
     lines = _setup_lines(runs, context)
     lines += render_goal(runs, goal or Goal())
     lines += _results_lines(runs)
+    lines += _itl_split_lines(runs)
     if runs[0].search is not None:
         lines += render_goodput(runs)
     lines += ["## Plots", "", "![p50 and p99 of every deployment](compare.png)", ""]

@@ -18,7 +18,7 @@ import torch
 from common.text.tokenizer import Tokenizer
 from proxy.bench.client import RequestResult
 from proxy.bench.search import RateSearch, SearchConfig, document
-from proxy.bench.stats import Slo, summarize
+from proxy.bench.stats import Slo, detailed, summarize
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -110,6 +110,29 @@ def test_report_has_a_row_per_deployment_a_verdict_and_the_plots(tmp_path: Path)
     assert all(f"]({name}/cdf-rate1.png)" in text for name in gaps)
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert "**Goal not judged**: it needs each deployment's goodput search" in text
+
+
+def test_report_splits_the_itl_tail_into_first_gaps_and_decode_steps(tmp_path: Path) -> None:
+    """With --save-detailed records the report says which gaps make the ITL tail: here the
+    disaggregated run's slow hand-offs (first gaps of 150 ms against steps of 30 ms)."""
+    compare_report = _script("compare_report")
+
+    slo = Slo(ttft_ms=1000, tpot_ms=200)
+    for name, first, step in (("colo", 0.06, 0.06), ("pd", 0.15, 0.03)):
+        results = _results(step)
+        for r in results:
+            r.itl_s[0] = first
+        doc = {"config": _config(1.0), **summarize(results, 10.0, slo)}
+        doc["requests"] = detailed(results)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench.json").write_text(json.dumps(doc))
+    split = compare_report.itl_split(json.loads((tmp_path / "pd" / "bench.json").read_text()))
+    assert split["first_p50"] == pytest.approx(150.0) and split["later_p99"] == pytest.approx(30.0)
+    assert (split["tail_first"], split["gaps"]) == (split["tail"], 190)  # 10 x 19 gaps
+    argv = ["--run", f"colocated:colo={tmp_path / 'colo'}", "--run", f"disagg:pd={tmp_path / 'pd'}"]
+    text = _report(argv, tmp_path / "report.md")
+    assert "| pd | 150.0 ms / 150.0 ms | 30.0 ms / 30.0 ms | 10 of 10 (of 190 gaps) |" in text
+    assert compare_report.itl_split({"itl_ms": {"p99": 1.0}}) is None  # no records, no split
 
 
 def test_report_verdict_names_the_winner_and_the_next_best() -> None:
