@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.stats import distribution
+
 TIE = 0.05  # relative difference under which runs tie
 KINDS = ("colocated", "disagg")
 SEARCH_FILE = Path("goodput") / "search.json"
@@ -241,15 +243,6 @@ def _results_lines(runs: list[Run]) -> list[str]:
     return lines
 
 
-def _quantile(values: list[float], q: float) -> float:
-    """Linear interpolation between order statistics (bench-serve's percentiles)."""
-    v = sorted(values)
-    k = (len(v) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
 def itl_split(bench: dict[str, Any]) -> dict[str, Any] | None:
     """Where the ITL tail is, from `--save-detailed` records: each request's first gap (its
     first token to its second: on a disaggregated deployment the hand-off from the prefill
@@ -258,18 +251,19 @@ def itl_split(bench: dict[str, Any]) -> dict[str, Any] | None:
     records = [r for r in bench.get("requests") or [] if r["ok"] and r["itl_ms"]]
     if not records:
         return None
-    first = [r["itl_ms"][0] for r in records]
-    later = [g for r in records for g in r["itl_ms"][1:]]
+    first = distribution([r["itl_ms"][0] for r in records])
+    later = distribution([g for r in records for g in r["itl_ms"][1:]])
     pooled = bench["itl_ms"]["p99"]
     tail = [(i == 0) for r in records for i, g in enumerate(r["itl_ms"]) if g >= pooled]
+    n_later = sum(len(r["itl_ms"]) - 1 for r in records)
     return {
-        "first_p50": _quantile(first, 0.5),
-        "first_p99": _quantile(first, 0.99),
-        "later_p50": _quantile(later, 0.5) if later else None,
-        "later_p99": _quantile(later, 0.99) if later else None,
+        "first_p50": first["p50"],
+        "first_p99": first["p99"],
+        "later_p50": later["p50"],
+        "later_p99": later["p99"],
         "tail": len(tail),
         "tail_first": sum(tail),
-        "gaps": len(first) + len(later),
+        "gaps": len(records) + n_later,
     }
 
 
