@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from common.gc_pacing import PacedCollector
 from common.text.tokenizer import Tokenizer
 from common.wire.model_card import read_context_length
 from common.wire.node_messages import CancelResult
@@ -242,13 +243,27 @@ async def serve(settings: ProxySettings) -> int:
     proxy = await start_proxy(settings)
     # What startup made stays out of later garbage collections: a full collection then
     # scans only what requests allocate, not every module and object of the process (it
-    # stalls every stream while it runs: 90 ms when torch was loaded, 24 ms without).
-    gc.collect()
-    gc.freeze()
+    # stalls every stream while it runs: 90 ms when torch was loaded, 24 ms without). And
+    # young collections come on a timer, not 25 times a second (common/gc_pacing.py).
+    collector = start_collection(settings.gc_interval_s)
     try:
         print(f"pdserve proxy ready: {proxy.url}", flush=True)
         await stop.wait()
         log.info("stopping: draining in-flight requests (up to %gs)", settings.shutdown_timeout_s)
     finally:
         await proxy.stop()
+        if collector is not None:
+            await collector.stop()
     return 0
+
+
+def start_collection(interval_s: float) -> PacedCollector | None:
+    """Freeze what startup made; collect on a timer of `interval_s` (None: 0, CPython's own
+    collector). For a process's entry point only: it changes the whole process's GC."""
+    if interval_s <= 0:
+        gc.collect()
+        gc.freeze()
+        return None
+    collector = PacedCollector(interval_s)
+    collector.start()
+    return collector

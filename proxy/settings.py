@@ -14,6 +14,7 @@ from proxy.pool.planner import PlannerConfig
 from proxy.pool.router import POLICIES
 
 Mode = Literal["disagg", "colocated"]
+GC_INTERVAL_S = 0.5  # paced garbage collection (common/gc_pacing.py)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ProxySettings:
     timeouts: NodeTimeouts = field(default_factory=NodeTimeouts)
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout_s: float = 10.0
+    gc_interval_s: float = GC_INTERVAL_S  # 0: CPython's own collector
     # Secrets (common/wire/auth.py): the cluster token is sent to every node and required on
     # /admin/* and /debug/*; the API key is required on /v1/*. None: not checked.
     cluster_token: str | None = field(default=None, repr=False)
@@ -83,6 +85,8 @@ class ProxySettings:
             )
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
+        if not 0 <= self.gc_interval_s <= 60:
+            raise ValueError("gc_interval_s must be in [0, 60]")
         if not 0 <= self.role_drain_timeout_s <= 3600:
             raise ValueError("role_drain_timeout_s must be in [0, 3600]")
         if self.auto_roles and self.colocated_mode:

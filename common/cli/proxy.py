@@ -57,6 +57,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         timeouts=timeouts,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout_s,
+        gc_interval_s=args.gc_interval_s,
         cluster_token=read_secret(args.cluster_token_file, CLUSTER_TOKEN_ENV),
         api_key=args.api_key or read_secret(None, API_KEY_ENV),
         insecure=args.insecure,

@@ -9,6 +9,7 @@ from proxy.pool.client import NodeTimeouts
 from proxy.pool.placement import DISAGG_MODES, PlacementConfig
 from proxy.pool.planner import PlannerConfig
 from proxy.pool.router import POLICIES
+from proxy.settings import GC_INTERVAL_S
 
 
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +55,13 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--stream-timeout-s", type=float, default=NodeTimeouts.read_line_s)
     t.add_argument("--shutdown-timeout-s", type=float, default=10.0)
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument(
+        "--gc-interval-s",
+        type=float,
+        default=GC_INTERVAL_S,
+        help="collect garbage on this timer instead of every 700 allocations "
+        "(common/gc_pacing.py); 0: CPython's own collector",
+    )
     add_auth_args(p)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")

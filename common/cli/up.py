@@ -46,13 +46,13 @@ import aiohttp
 from common.cli.logs import setup_logging
 from common.cli.models import model_dir
 from common.cli.proxy_args import planner_config
-from common.cli.startup import freeze_startup_objects
 from common.cli.up_args import engine_flags
+from common.gc_pacing import PacedCollector
 from common.wire.auth import API_KEY_ENV, CLUSTER_TOKEN_ENV, bearer, read_secret
-from proxy.main import RunningProxy, start_proxy
+from proxy.main import RunningProxy, start_collection, start_proxy
 from proxy.pool.client import NodeTimeouts
 from proxy.pool.planner import PlannerConfig
-from proxy.settings import ProxySettings
+from proxy.settings import GC_INTERVAL_S, ProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +382,6 @@ async def start_service(
         proxy = await start_proxy(settings)
     except OSError as e:
         raise LaunchError(f"cannot start the proxy on {cfg.host}:{cfg.port}: {e}") from None
-    freeze_startup_objects()  # this process loaded torch (the flags): keep it out of GC
     return proxy
 
 
@@ -407,6 +406,7 @@ async def up(cfg: UpConfig) -> int:
     token = cfg.cluster_token or _new_cluster_token(log_dir)
     nodes = plan_nodes(cfg, log_dir, token)
     proxy: RunningProxy | None = None
+    collector: PacedCollector | None = None
     supervisor: asyncio.Future[None] | None = None
     startup = asyncio.ensure_future(start_service(cfg, nodes, token))
     stopped = asyncio.ensure_future(stop.wait())
@@ -415,6 +415,9 @@ async def up(cfg: UpConfig) -> int:
         if not startup.done():  # interrupted while starting
             return 0
         proxy = startup.result()
+        # This process loaded torch (the flags): keep it out of GC; and it hosts the proxy,
+        # whose young collections go on a timer (common/gc_pacing.py).
+        collector = start_collection(GC_INTERVAL_S)
         supervisor = asyncio.ensure_future(supervise(cfg, nodes))
         _print_banner(cfg, proxy, nodes, log_dir)
         if cfg.demo_prompt:
@@ -432,6 +435,8 @@ async def up(cfg: UpConfig) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
         if proxy is not None:
             await proxy.stop()
+        if collector is not None:
+            await collector.stop()
         await asyncio.gather(*(node.stop(cfg.stop_grace_s) for node in nodes))
 
 

@@ -309,22 +309,31 @@ class NodeClient:
         return NodeUnreachable(url, f"no connection within {self.timeouts.connect_s:g} s")
 
     async def _guarded(self, url: str, call: Awaitable[T]) -> T:
-        """`call`, unless `abort(url)` ends it first (NodeUnreachable)."""
-        guard = _Guard(asyncio.ensure_future(call))
+        """`call`, unless `abort(url)` ends it first (NodeUnreachable).
+
+        The call runs in the caller's task (a task of its own costs a turn of the event loop
+        before it starts and another when it ends: 0.1 ms of a request's TTFT at p50 under
+        load); `abort` cancels the caller's task, and the cancellation it caused is taken
+        back here and turned into its error, as `asyncio.timeout` does with its own."""
+        task = asyncio.current_task()
+        assert task is not None, "a guarded call runs in a task"
+        guard = _Guard(task)
         self._calls.setdefault(url, set()).add(guard)
         try:
-            return await guard.task
+            return await call
         except asyncio.CancelledError:
-            # The call was cancelled: by `abort` (raise its error), or because this task is
-            # being cancelled (awaiting a task passes the cancellation on): let that through.
-            current = asyncio.current_task()
-            if guard.error is not None and (current is None or not current.cancelling()):
+            # Ours (the guard tripped) and nobody else's: raise its error. Anything else is
+            # a real cancellation of this task: let it through.
+            if guard.tripped and task.uncancel() == 0:
+                guard.tripped = False
+                assert guard.error is not None
                 raise guard.error from None
+            guard.tripped = False  # uncancelled above, or the outer cancellation wins
             raise
         finally:
-            if not guard.task.done():
-                guard.task.cancel()
-                guard.task.add_done_callback(_retrieve)
+            guard.active = False
+            if guard.tripped:  # the call turned the cancellation into something else
+                task.uncancel()
             calls = self._calls.get(url)
             if calls is not None:
                 calls.discard(guard)
@@ -399,18 +408,25 @@ class NodeClient:
 
 
 class _Guard:
-    """A call in flight to one node; `trip` ends it with an error for its caller."""
+    """A call in flight to one node, in `task`; `trip` ends it with an error for its caller
+    (by cancelling the task, which `NodeClient._guarded` takes back)."""
 
-    __slots__ = ("task", "error")
+    __slots__ = ("task", "error", "active", "tripped")
 
-    def __init__(self, task: asyncio.Future[Any]) -> None:
+    def __init__(self, task: asyncio.Task[Any]) -> None:
         self.task = task
         self.error: NodeUnreachable | None = None
+        self.active = True  # until the guarded call returned or raised
+        self.tripped = False  # cancelled the task, not yet taken back
 
     def trip(self, error: NodeUnreachable) -> None:
-        if not self.task.done():
-            self.error = error
-            self.task.cancel()
+        if not self.active or self.tripped or self.error is not None:
+            return
+        self.error = error
+        if self.task is asyncio.current_task():
+            return  # called from inside the call itself: it is failing on its own already
+        self.tripped = True
+        self.task.cancel()
 
 
 def _error_fields(raw: bytes, status: int) -> tuple[str, str | None, str | None]:
@@ -455,12 +471,6 @@ def _transport_error(url: str, path: str, e: aiohttp.ClientError) -> BackendErro
     if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):  # no answer
         return NodeUnreachable(url, _describe(e), maybe_received=True)
     return BackendError.failed(f"node {url} broke off {path}: {_describe(e)}")
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Mark a dropped task's outcome seen (no 'exception was never retrieved' warning)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _describe(e: BaseException) -> str:

@@ -105,6 +105,58 @@ def test_abort_ends_the_streams_and_calls_waiting_on_a_lost_node_and_nothing_els
     run(body())
 
 
+def test_an_aborted_call_leaves_its_task_uncancelled_and_a_real_cancel_still_cancels() -> None:
+    """A guarded call runs in its caller's task: `abort` cancels that task and the guard
+    takes the cancellation back as NodeUnreachable, so the caller goes on (awaits more) as
+    if nothing cancelled it; a cancellation of the task itself stays a cancellation, also
+    when an abort comes at the same moment."""
+
+    async def body() -> None:
+        prefill = StubNode("prefill")
+        prefill.prefill_delay = 30.0
+        async with stubs(prefill):
+            client = NodeClient(FAST)
+            await client.start()
+            try:
+
+                def msg(rid: str) -> PrefillRequest:
+                    sampling = SamplingParams(max_tokens=2)
+                    return PrefillRequest(
+                        request_id=rid, prompt_token_ids=[1, 2], sampling=sampling, lease_s=30.0
+                    )
+
+                async def caller(rid: str) -> tuple[str, int]:
+                    try:
+                        await client.prefill(prefill.url, msg(rid))
+                    except NodeUnreachable as e:
+                        await asyncio.sleep(0.01)  # not cancelled: it awaits on
+                        task = asyncio.current_task()
+                        assert task is not None
+                        return e.message, task.cancelling()
+                    raise AssertionError("the call was not ended")
+
+                aborted = asyncio.ensure_future(caller("p1"))
+                await eventually(lambda: prefill.paths() == ["/internal/prefill"])
+                assert client.abort(prefill.url, "no answer to polls") == 1
+                message, cancelling = await aborted
+                assert "down: no answer to polls" in message and cancelling == 0
+
+                cancelled = asyncio.ensure_future(caller("p2"))
+                both = asyncio.ensure_future(caller("p3"))
+                await eventually(lambda: len(prefill.paths()) == 3)
+                cancelled.cancel()
+                both.cancel()
+                assert client.abort(prefill.url, "at the same moment") == 2
+                for task in (cancelled, both):
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                assert client.abort(prefill.url, "again") == 0  # no guard left behind
+            finally:
+                await client.close()
+
+    run(body())
+
+
 def test_a_cancel_to_a_hung_node_is_delivered_when_it_answers_again() -> None:
     async def body() -> None:
         node = StubNode("decode")
