@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of nixl,ucxx,zmq")
     p.add_argument("--shapes", default="tiny,8b", help="comma list of tiny,8b")
     p.add_argument("--blocks", default="1,8,64,512", help="blocks per transfer, comma list")
-    p.add_argument("--reps", type=int, default=20, help="timed repetitions per point (max)")
+    p.add_argument("--reps", type=int, default=200, help="timed repetitions per point (max)")
     p.add_argument("--device", default="cpu", help="where both caches live: cpu, cuda, cuda:N")
     p.add_argument("--json", type=Path, help="write the records to this file (and a .png beside)")
     args = p.parse_args(argv)
