@@ -5,6 +5,7 @@ the latency the proxy adds. THE NODES ARE STAND-INS that answer instantly
 
     python scripts/bench_proxy.py [--duration-s S] [--json OUT] [--model M]
         [--streams C] [--output-tokens N] [--rate R] [--proxy-core K] [--proxies P]
+        [--kv-streaming {on,off}]
 
 The proxy runs as its own process (`pdserve proxy`, the real one, in front of one prefill
 and one decode stand-in), pinned to core K when the machine has more than one; this
@@ -26,7 +27,9 @@ Each phase reads the proxy's CPU time from /proc, so rates are also given per pr
 (rate / fraction of a core the proxy used): when the client side is the bottleneck (the
 proxy below one core), the per-core figure is what one saturated proxy core would relay.
 `--proxies P` starts P proxies in front of the same stand-ins and spreads the clients over
-them (each on its own core where there are enough).
+them (each on its own core where there are enough). `--kv-streaming` is the proxy's flag:
+on (its default), each prefill is the streamed call (the KV handle's line, then the first
+token's), off the one-call prefill.
 
 JSON (`--json OUT`): `requests_per_s`, `tokens_per_s`, `added_ttft_ms_p99` (the headline
 numbers: requests phase, throughput phase, latency phase), their per-core forms, and each
@@ -87,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--phases", default="throughput,requests,latency,floor", help="comma-separated subset"
     )
+    p.add_argument(
+        "--kv-streaming", choices=("on", "off"), default="on",
+        help="the proxy's prefill call: streamed (its default: the KV handle's line, then the "
+        "first token's) or one call",
+    )  # fmt: skip
     return p
 
 
@@ -124,6 +132,7 @@ async def start_proxy(
     core: int | None,
     profile: Path | None = None,
     timeout_s: float = 120.0,
+    kv_streaming: str = "on",
 ) -> ProxyProcess:
     python = [sys.executable]
     if profile is not None:  # cProfile writes it when the proxy exits (SIGTERM: a clean exit)
@@ -132,8 +141,8 @@ async def start_proxy(
         *python, "-m", "common.cli", "proxy", "--host", "127.0.0.1", "--port", "0",
         "--model", model, "--prefill", prefill, "--decode", decode, "--log-level", "WARNING",
         "--poll-interval-s", "0.5",
-        # The stand-ins move no KV: the proxy's one-call prefill path, as measured before.
-        "--kv-streaming", "off",
+        # The stand-ins move no KV either way; streamed, the prefill answers in two lines.
+        "--kv-streaming", kv_streaming,
     ]  # fmt: skip
     return await _start(argv, core, "pdserve proxy ready: ", timeout_s)
 
@@ -459,7 +468,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             pc = core if pinned else None
             profile = args.proxy_profile if not proxies else None
             proxies.append(
-                await start_proxy(model, standins.prefill_url, standins.decode_url, pc, profile)
+                await start_proxy(
+                    model,
+                    standins.prefill_url,
+                    standins.decode_url,
+                    pc,
+                    profile,
+                    kv_streaming=args.kv_streaming,
+                )  # fmt: skip
             )
         timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -490,6 +506,7 @@ async def _phases(
     report: dict[str, Any] = {
         "what": "the proxy alone, in front of stand-in nodes that answer instantly",
         "proxies": args.proxies,
+        "kv_streaming": args.kv_streaming,
         "proxy_cores": proxy_cores,
         "duration_s": args.duration_s,
         "phases": {},

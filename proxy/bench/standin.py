@@ -1,10 +1,11 @@
 """Stand-in nodes for load-testing the proxy alone (`scripts/bench_proxy.py`).
 
 A `StandInNode` speaks the nodes' internal HTTP API (`common.wire.node_messages`): `/health`,
-`/state`, `/internal/{prefill,extend,decode,generate,cancel}`, and answers at once, with no
-engine and no KV behind it. A prefill returns token `tokens[0]` and a KV handle nobody will
-read; a decode (or generate) streams `max_tokens - 1` (or `max_tokens`) token lines from
-`tokens`, one line per write as a real node writes them, the last one finishing "length".
+`/state`, `/internal/{prefill,prefill_streamed,extend,decode,generate,cancel}`, and answers
+at once, with no engine and no KV behind it. A prefill returns token `tokens[0]` and a KV
+handle nobody will read (streamed: the handle's line, then the result's at once); a decode
+(or generate) streams `max_tokens - 1` (or `max_tokens`) token lines from `tokens`, one
+line per write as a real node writes them, the last one finishing "length".
 `token_interval_s` paces the lines (0: back to back). What a benchmark measures through
 these nodes is the proxy's own cost, nothing about serving.
 
@@ -31,6 +32,7 @@ from common.wire.node_messages import (
     CancelResult,
     KVHandle,
     LeaseExtendResult,
+    PrefillAccepted,
     PrefillResult,
     TokenDelta,
     to_json,
@@ -108,7 +110,17 @@ class StandInNode:
         elif method != "POST":
             conn.send_json(405, {"error": {"message": "method not allowed"}})
         elif path == "/internal/prefill":
-            conn.send_body(200, self._prefill(json.loads(body)))
+            conn.send_body(200, to_json(self._prefill(json.loads(body))))
+        elif path == "/internal/prefill_streamed":
+            # The KV handle, then the result at once: the prompt "computed" instantly, and
+            # the decode stand-in reads no KV.
+            result = self._prefill(json.loads(body))
+            conn.start_chunked(200, "application/x-ndjson")
+            if result.kv is not None:
+                accepted = PrefillAccepted(request_id=result.request_id, kv=result.kv)
+                conn.send_chunk(to_json(accepted) + b"\n")
+            conn.send_chunk(to_json(result) + b"\n")
+            conn.end_chunked()
         elif path in ("/internal/decode", "/internal/generate"):
             msg = json.loads(body)
             decode = path == "/internal/decode"
@@ -142,7 +154,7 @@ class StandInNode:
             "prefill_tokens_per_s": 1e9,  # instant: the proxy's budgets never bind
         }
 
-    def _prefill(self, msg: dict[str, Any]) -> bytes:
+    def _prefill(self, msg: dict[str, Any]) -> PrefillResult:
         num_tokens = len(msg["prompt_token_ids"])
         one = (msg["sampling"].get("max_tokens") or 16) <= 1
         kv = KVHandle(
@@ -159,7 +171,7 @@ class StandInNode:
             finish_reason="length" if one else None,
             kv=None if one else kv,
         )
-        return to_json(result)
+        return result
 
     def _stream(self, conn: _Connection, request_id: str, count: int, offset: int) -> None:
         rid = request_id.encode()

@@ -253,8 +253,8 @@ class NodeClient:
         """POST `msg` for an NDJSON answer: the response once the node answered 200 within
         `timeout_s`; else the error its answer (or its absence) means."""
         try:
-            post = asyncio.wait_for(self._post(url + path, msg), timeout_s)
-            resp = await self._guarded(url, post)
+            async with asyncio.timeout(timeout_s):  # not wait_for: no task (see PrefillStream)
+                resp = await self._guarded(url, self._post(url + path, msg))
         except aiohttp.ConnectionTimeoutError:  # (a TimeoutError too): never reached the node
             raise self._no_connection(url) from None
         except asyncio.TimeoutError:

@@ -56,9 +56,13 @@ class PrefillStream:
         self._resp.close()
 
     async def _read(self, cls: type[R]) -> R:
-        read = asyncio.wait_for(self._resp.content.readline(), self._timeout_s)
+        # asyncio.timeout, not wait_for: wait_for runs the read in a task of its own, a turn
+        # of the event loop even when the line is in the buffer already (the result line
+        # usually is, right behind the KV handle's), and the loop turn lets the inter-stage
+        # dispatch of this very request run first: 0.27 ms of TTFT at p50 under load.
         try:
-            line = await self._guard(self.url, read)
+            async with asyncio.timeout(self._timeout_s):
+                line = await self._guard(self.url, self._resp.content.readline())
         except asyncio.TimeoutError:
             raise BackendError.failed(
                 f"prefill node {self.url} sent no {cls.TYPE} within {self._timeout_s:g} s"

@@ -26,6 +26,7 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     assert os.sched_getaffinity(0) == affinity  # the test process is not left pinned
     report = json.loads(out.read_text())
     assert report["proxies"] == 2
+    assert report["kv_streaming"] == "on"  # the proxy's default: the streamed prefill call
     for key in ("requests_per_s", "tokens_per_s", "added_ttft_ms_p99"):
         assert report[key] > 0
     phases = report["phases"]
