@@ -32,8 +32,9 @@ on (its default), each prefill is the streamed call (the KV handle's line, then 
 token's), off the one-call prefill.
 
 JSON (`--json OUT`): `requests_per_s`, `tokens_per_s`, `added_ttft_ms_p99` (the headline
-numbers: requests phase, throughput phase, latency phase), their per-core forms, and each
-phase's details. Exit status 0, or 1 when a phase completed no request.
+numbers: requests phase, throughput phase, latency phase), their per-core forms,
+`floor_ttft_ms_p99` and `ttft_over_floor_ms_{p50,p99}` (the latency phase's quantiles less
+the floor's), and each phase's details. Exit status 0, or 1 when a phase completed no request.
 """
 
 from __future__ import annotations
@@ -557,6 +558,14 @@ async def _phases(
     if "floor" in phases:
         report["phases"]["floor"] = await _floor(args, bench, standins, proxy_cores)
         report["floor_ttft_ms_p99"] = report["phases"]["floor"]["ttft_ms_p99"]
+        if "latency" in phases:
+            # What pdserve's work adds to the hops any proxy costs: the quantiles' difference
+            # (two runs of the same open loop, not request by request).
+            lat, floor = report["phases"]["latency"], report["phases"]["floor"]
+            for q in ("p50", "p99"):
+                a, b = lat[f"ttft_ms_{q}"], floor[f"ttft_ms_{q}"]
+                over = None if a is None or b is None else round(a - b, 3)
+                report[f"ttft_over_floor_ms_{q}"] = over
     return report
 
 
@@ -606,6 +615,12 @@ def print_report(report: dict[str, Any]) -> None:
                 f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms "
                 "(a proxy that only forwards: the hops' own cost here)"
             )
+            if "ttft_over_floor_ms_p99" in report:
+                print(
+                    f"  {'':10s} pdserve's TTFT over the floor: "
+                    f"p50 {report['ttft_over_floor_ms_p50']:+} ms, "
+                    f"p99 {report['ttft_over_floor_ms_p99']:+} ms"
+                )
         if name == "latency":
             print(
                 f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms; "

@@ -47,3 +47,5 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     floor = phases["floor"]
     assert floor["completed"] == 20 and floor["tokens"] == 20 * 16
     assert report["floor_ttft_ms_p99"] > 0
+    over = latency["ttft_ms_p99"] - floor["ttft_ms_p99"]
+    assert report["ttft_over_floor_ms_p99"] == pytest.approx(over, abs=1e-3)
