@@ -29,20 +29,39 @@ import gc
 import logging
 import time
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 log = logging.getLogger(__name__)
 
 MIDDLE_EVERY = 10  # CPython's own ratio between generations (gc.get_threshold()[1:])
 FULL_EVERY = 100
 SLOW_PAUSE_S = 0.05  # a collection this long is logged
+PAUSE_BUCKETS = (0.0001, 0.0003, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class PacedCollector:
     """Collect garbage every `interval_s` from the running event loop (see the module)."""
 
-    def __init__(self, interval_s: float = 0.5) -> None:
+    def __init__(self, interval_s: float = 0.5, registry: CollectorRegistry | None = None) -> None:
         if not 0 < interval_s <= 60:
             raise ValueError(f"interval_s must be in (0, 60], got {interval_s}")
         self.interval_s = interval_s
+        self._pauses: Histogram | None = None
+        self._freed: Counter | None = None
+        if registry is not None:
+            self._pauses = Histogram(
+                "pdserve_gc_pause_seconds",
+                "Paced garbage collections: how long each stopped the process",
+                ["generation"],
+                registry=registry,
+                buckets=PAUSE_BUCKETS,
+            )
+            self._freed = Counter(
+                "pdserve_gc_collected_objects",
+                "Objects the paced garbage collections freed",
+                ["generation"],
+                registry=registry,
+            )
         self.collections = 0
         self.pause_s_total = 0.0
         self.pause_s_max = 0.0
@@ -87,6 +106,9 @@ class PacedCollector:
         pause = time.perf_counter() - t0
         self.pause_s_total += pause
         self.pause_s_max = max(self.pause_s_max, pause)
+        if self._pauses is not None and self._freed is not None:
+            self._pauses.labels(str(generation)).observe(pause)
+            self._freed.labels(str(generation)).inc(freed)
         if pause > SLOW_PAUSE_S:
             log.warning(
                 "garbage collection of generation %d took %.0f ms (freed %d objects)",

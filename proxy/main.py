@@ -245,7 +245,7 @@ async def serve(settings: ProxySettings) -> int:
     # scans only what requests allocate, not every module and object of the process (it
     # stalls every stream while it runs: 90 ms when torch was loaded, 24 ms without). And
     # young collections come on a timer, not 25 times a second (common/gc_pacing.py).
-    collector = start_collection(settings.gc_interval_s)
+    collector = start_collection(settings.gc_interval_s, proxy.parts.metrics)
     try:
         print(f"pdserve proxy ready: {proxy.url}", flush=True)
         await stop.wait()
@@ -257,13 +257,16 @@ async def serve(settings: ProxySettings) -> int:
     return 0
 
 
-def start_collection(interval_s: float) -> PacedCollector | None:
+def start_collection(
+    interval_s: float, metrics: CollectorRegistry | None = None
+) -> PacedCollector | None:
     """Freeze what startup made; collect on a timer of `interval_s` (None: 0, CPython's own
-    collector). For a process's entry point only: it changes the whole process's GC."""
+    collector), its pauses in `metrics`. For a process's entry point only: it changes the
+    whole process's GC."""
     if interval_s <= 0:
         gc.collect()
         gc.freeze()
         return None
-    collector = PacedCollector(interval_s)
+    collector = PacedCollector(interval_s, metrics)
     collector.start()
     return collector

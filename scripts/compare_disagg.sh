@@ -68,6 +68,11 @@
 #   COMPARE_SEARCH_START_RATE --goodput: the search's first rate (default COMPARE_RATE)
 #   COMPARE_SEARCH_NUM_REQUESTS --goodput: requests per search run (default
 #                             COMPARE_NUM_REQUESTS; more than that reuse the dataset's lines)
+#   COMPARE_SEARCH_DURATION_S --goodput: instead, each search run offers its rate for this
+#                             many seconds (rate x this requests, from a dataset of their own
+#                             sized for the max rate). A run of 30 requests at 10 req/s is a
+#                             3 s burst, over before any backlog builds: it passes rates no
+#                             deployment sustains. Unset: COMPARE_SEARCH_NUM_REQUESTS.
 #   COMPARE_SEARCH_MAX_RUNS   --goodput: runs per search at most (default 8; --quick 3)
 #   COMPARE_SEARCH_MAX_RATE   --goodput: the search doubles no higher (default 64 x start:
 #                             in bfloat16 on an AMX CPU, 1P1D passed 16 x, 3.2 req/s)
@@ -135,6 +140,7 @@ slo_tpot="${COMPARE_SLO_TPOT_MS:-200}"
 max_conc="${COMPARE_MAX_CONCURRENCY:-32}"
 search_start="${COMPARE_SEARCH_START_RATE:-$rate}"
 search_num="${COMPARE_SEARCH_NUM_REQUESTS:-$num}"
+search_duration="${COMPARE_SEARCH_DURATION_S:-}"
 if (( quick )); then search_runs_default=3; else search_runs_default=8; fi
 search_runs="${COMPARE_SEARCH_MAX_RUNS:-$search_runs_default}"
 search_max_rate="${COMPARE_SEARCH_MAX_RATE:-$(awk -v r="$search_start" 'BEGIN{print r * 64}')}"
@@ -264,8 +270,13 @@ search() {  # search NAME: the goodput search into $out/NAME/goodput/
     local name="$1" dir="$out/$1/goodput" common
     client_args
     mkdir -p "$dir"
-    say "$name: goodput search from $search_start req/s, at most $search_runs runs of $search_num requests"
-    "$py" -m common.cli bench-serve "${common[@]}" --num-requests "$search_num" \
+    local size=(--num-requests "$search_num") what="$search_num requests"
+    if [[ -n "$search_duration" ]]; then  # open loop for that long, on prompts of their own
+        size=(--duration-s "$search_duration" --dataset "$search_dataset")
+        what="${search_duration} s of arrivals"
+    fi
+    say "$name: goodput search from $search_start req/s, at most $search_runs runs of $what"
+    "$py" -m common.cli bench-serve "${common[@]}" "${size[@]}" \
         --goodput-search --rate "$search_start" --max-search-runs "$search_runs" \
         --search-max-rate "$search_max_rate" --search-min-rate "$search_min_rate" \
         --search-tolerance "$search_tolerance" \
@@ -277,6 +288,16 @@ for name in "${selected[@]}"; do rm -rf "${out:?}/$name"; mkdir -p "$out/$name";
 dataset="$out/mixed.jsonl"
 "$py" scripts/mixed_workload.py --out "$dataset" --num-requests "$num" --seed "$seed" --model "$model" \
     --long-fraction "$long_fraction" --long-input "$long_input" --short-output "$short_output"
+search_dataset="$out/search.jsonl"
+if (( goodput )) && [[ -n "$search_duration" ]]; then
+    # Enough distinct prompts for the fastest run (a prompt sent twice in one run would be
+    # a prefix-cache hit the first pass did not have).
+    search_lines="$(awk -v r="$search_max_rate" -v d="$search_duration" \
+        'BEGIN{n = int(r * d * 1.2) + 10; print (n > 5000 ? 5000 : n)}')"
+    "$py" scripts/mixed_workload.py --out "$search_dataset" --num-requests "$search_lines" \
+        --seed $((seed + 7)) --model "$model" --long-fraction "$long_fraction" \
+        --long-input "$long_input" --short-output "$short_output"
+fi
 cpus="$("$py" -c 'import os; print(len(os.sched_getaffinity(0)))')"
 loadavg=()
 

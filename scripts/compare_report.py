@@ -432,6 +432,14 @@ def render_goodput(runs: list[Run]) -> list[str]:
     first = searches[0]
     slo, threshold, search = first["slo"], first["attainment_threshold"], first["search"]
     share, model = f"{threshold:.0%}", first["config"]["model"]
+    config = first["config"]
+    if config.get("num_requests") is None and config.get("duration_s"):
+        cap = config.get("max_concurrency")
+        sized = f"runs offering each rate for {config['duration_s']:g} s" + (
+            f" (at most {cap} requests in flight)" if cap else " (open loop)"
+        )
+    else:
+        sized = f"runs of the same {config.get('num_requests')} requests"
     if any(s["slo"] != slo or s["attainment_threshold"] != threshold for s in searches):
         raise ValueError("the deployments' goodput searches used different objectives")
     lines = [
@@ -440,8 +448,8 @@ def render_goodput(runs: list[Run]) -> list[str]:
         f"Model `{model}`. Objectives: TTFT <= {slo['ttft_ms']:g} ms and TPOT <= "
         f"{slo['tpot_ms']:g} ms, met by at least {share} of the requests (a failed request is "
         "a miss; a one-token output is judged on its TTFT alone). Goodput is the highest "
-        "offered rate at which a run met them, found by a bounded search over runs of the "
-        f"same {first['config']['num_requests']} requests: from {search['start_rate']:g} "
+        f"offered rate at which a run met them, found by a bounded search over {sized}: "
+        f"from {search['start_rate']:g} "
         f"req/s, doubling while runs pass (halving while they fail), then bisecting to a "
         f"relative tolerance of {search['tolerance']:g}, at most {search['max_runs']} runs.",
         "",

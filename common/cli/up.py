@@ -417,7 +417,7 @@ async def up(cfg: UpConfig) -> int:
         proxy = startup.result()
         # This process loaded torch (the flags): keep it out of GC; and it hosts the proxy,
         # whose young collections go on a timer (common/gc_pacing.py).
-        collector = start_collection(GC_INTERVAL_S)
+        collector = start_collection(GC_INTERVAL_S, proxy.parts.metrics)
         supervisor = asyncio.ensure_future(supervise(cfg, nodes))
         _print_banner(cfg, proxy, nodes, log_dir)
         if cfg.demo_prompt:

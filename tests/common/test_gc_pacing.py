@@ -8,6 +8,7 @@ import gc
 import weakref
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from common.gc_pacing import FULL_EVERY, MIDDLE_EVERY, PacedCollector
 
@@ -56,6 +57,21 @@ def test_the_generations_follow_cpythons_ratios(monkeypatch: pytest.MonkeyPatch)
     assert seen.count(2) == 1 and seen[-1] == 2
     assert seen.count(1) == FULL_EVERY // MIDDLE_EVERY - 1
     assert seen[MIDDLE_EVERY - 1] == 1 and seen.count(0) == FULL_EVERY - FULL_EVERY // MIDDLE_EVERY
+
+
+def test_each_collection_is_in_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gc, "collect", lambda generation=2: 3)
+    registry = CollectorRegistry()
+    collector = PacedCollector(registry=registry)
+    for _ in range(MIDDLE_EVERY):
+        collector.collect()
+
+    def sample(name: str, generation: int) -> float | None:
+        return registry.get_sample_value(name, {"generation": str(generation)})
+
+    assert sample("pdserve_gc_pause_seconds_count", 0) == MIDDLE_EVERY - 1
+    assert sample("pdserve_gc_pause_seconds_count", 1) == 1
+    assert sample("pdserve_gc_collected_objects_total", 0) == 3 * (MIDDLE_EVERY - 1)
 
 
 def test_a_collector_that_did_not_find_gc_enabled_leaves_it_disabled() -> None:

@@ -176,6 +176,7 @@ PROXY_FAMILIES = [
     "pdserve_proxy_cancellations_total",
     "pdserve_proxy_migrations_total",
     "pdserve_proxy_prefill_retries_total",
+    "pdserve_gc_pause_seconds_count",  # the paced collector (every 0.5 s: it ran by now)
 ]
 NODE_FAMILIES = [
     "pdserve_node_requests_total",
