@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -176,7 +177,6 @@ PROXY_FAMILIES = [
     "pdserve_proxy_cancellations_total",
     "pdserve_proxy_migrations_total",
     "pdserve_proxy_prefill_retries_total",
-    "pdserve_gc_pause_seconds_count",  # the paced collector (every 0.5 s: it ran by now)
 ]
 NODE_FAMILIES = [
     "pdserve_node_requests_total",
@@ -228,6 +228,11 @@ def test_metrics_on_every_process_after_traffic_add_up(
     proxy = after[cluster.proxy.url]
     for name in PROXY_FAMILIES:
         assert _has(proxy, name), name
+    # The proxy's paced garbage collector (every 0.5 s; the first may not have come yet)
+    deadline = time.monotonic() + 10.0
+    while not _has(_metrics_text(cluster.proxy.url), "pdserve_gc_pause_seconds_count"):
+        assert time.monotonic() < deadline, "no paced garbage collection in 10 s"
+        time.sleep(0.1)
     for node in (prefill, decode):
         for name in NODE_FAMILIES:
             assert _has(after[node.url], name), (node.name, name)
