@@ -63,7 +63,6 @@ class PacedCollector:
                 registry=registry,
             )
         self.collections = 0
-        self.pause_s_total = 0.0
         self.pause_s_max = 0.0
         self._task: asyncio.Task[None] | None = None
         self._was_enabled = True
@@ -104,7 +103,6 @@ class PacedCollector:
         t0 = time.perf_counter()
         freed = gc.collect(generation)
         pause = time.perf_counter() - t0
-        self.pause_s_total += pause
         self.pause_s_max = max(self.pause_s_max, pause)
         if self._pauses is not None and self._freed is not None:
             self._pauses.labels(str(generation)).observe(pause)
