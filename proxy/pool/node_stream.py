@@ -9,11 +9,10 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-import aiohttp
-
 from common.wire.messages import MessageError
 from common.wire.node_messages import TokenDelta, from_json
 from proxy.http.backend import BackendError, NodeLost, TokenChunk
+from proxy.pool.http1 import HttpError, Response
 
 MAX_LINE_BYTES = 64 << 20  # a token stream's longest line (prompt logprobs make it long)
 KV_ERROR_CODES = frozenset({"kv_failed", "kv_timeout", "kv_handshake"})
@@ -32,7 +31,7 @@ class NodeStream:
         self,
         url: str,
         request_id: str,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         read_timeout_s: float,
         stall_s: float = 0.0,
         kv_from: str | None = None,
@@ -120,7 +119,7 @@ class NodeStream:
             self._watch()
         try:
             data = await self._resp.content.readany()
-        except aiohttp.ClientError as e:
+        except HttpError as e:
             if self._aborted is not None:
                 raise self._aborted from None
             raise NodeLost(self.url, f"node {self.url} stream broke: {e!r}", True) from None

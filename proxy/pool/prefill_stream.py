@@ -17,11 +17,10 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import aiohttp
-
 from common.wire.messages import Message, MessageError
 from common.wire.node_messages import PrefillAccepted, PrefillResult, TokenDelta, from_json
 from proxy.http.backend import BackendError
+from proxy.pool.http1 import HttpError, Response
 from proxy.pool.node_errors import NodeUnreachable
 
 R = TypeVar("R", bound=Message)
@@ -36,7 +35,7 @@ class PrefillStream:
         self,
         url: str,
         request_id: str,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         timeout_s: float,
         guard: Guard,
     ) -> None:
@@ -67,7 +66,7 @@ class PrefillStream:
             raise BackendError.failed(
                 f"prefill node {self.url} sent no {cls.TYPE} within {self._timeout_s:g} s"
             ) from None
-        except aiohttp.ClientError as e:  # it took the request, then its connection broke
+        except HttpError as e:  # it took the request, then its connection broke
             raise NodeUnreachable(self.url, f"broke off: {e!r}", maybe_received=True) from None
         if not line.strip():
             raise NodeUnreachable(self.url, "ended the stream early", maybe_received=True)

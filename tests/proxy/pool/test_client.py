@@ -21,6 +21,7 @@ from common.wire.node_messages import (
 )
 from common.wire.sampling_params import SamplingParams
 from proxy.http.backend import BackendError, NodeLost, TokenChunk
+from proxy.pool import http1
 from proxy.pool.client import GENERATE_PATH, NodeClient, NodeTimeouts, NodeUnreachable
 from proxy.pool.node_stream import MAX_LINE_BYTES
 
@@ -28,13 +29,22 @@ SP = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 def _client(error: type[BaseException]) -> NodeClient:
+    """A client whose transport fails with `error` (aiohttp's for one-call prefills, `http1`'s
+    for streams, which a connect timeout ends as `ConnectTimedOut` and a read timeout as the
+    caller's own TimeoutError)."""
     client = NodeClient(NodeTimeouts(connect_s=0.5))
+    streamed = {aiohttp.ConnectionTimeoutError: http1.ConnectTimedOut}.get(error, TimeoutError)
 
     class Session:
         def post(self, *args: Any, **kwargs: Any) -> Any:
             raise error("timed out")
 
+    class Streams:
+        async def post(self, *args: Any, **kwargs: Any) -> Any:
+            raise streamed("timed out")
+
     client._session = Session()  # type: ignore[assignment]
+    client._http = Streams()  # type: ignore[assignment]
     return client
 
 
