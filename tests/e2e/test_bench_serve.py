@@ -44,7 +44,13 @@ def _bench(cluster: Service, *args: str) -> subprocess.CompletedProcess[str]:
     return procs.run(argv, timeout=120)
 
 
-def _check_plausible(doc: dict[str, Any], requests: int, output_len: int) -> None:
+def _check_plausible(
+    doc: dict[str, Any], requests: int, output_len: int, gaps_may_merge: bool = False
+) -> None:
+    """`gaps_may_merge`: runs so short (a few requests of a few tiny-model tokens) that a
+    decode node may stream every answer whole before the proxy reads its first line; the
+    proxy then relays it as one event (it merges lines that waited), and the run has no
+    inter-token gap to measure."""
     assert set(REQUIRED) <= set(doc)
     assert doc["sent"] == requests
     assert doc["completed"] + doc["failed"] == doc["sent"]
@@ -59,6 +65,9 @@ def _check_plausible(doc: dict[str, Any], requests: int, output_len: int) -> Non
     assert doc["output_token_throughput"] == pytest.approx(requests * output_len / duration)
     for name in LATENCIES:
         dist = doc[name]
+        if name == "itl_ms" and gaps_may_merge and dist["mean"] is None:
+            assert all(dist[k] is None for k in ("min", "p50", "p90", "p99", "max")), dist
+            continue
         assert all(isinstance(dist[k], float) for k in ("mean", "p50", "p90", "p99")), name
         assert 0 <= dist["min"] <= dist["p50"] <= dist["p90"] <= dist["p99"] <= dist["max"]
     ttft, tpot, e2el = doc["ttft_ms"], doc["tpot_ms"], doc["e2el_ms"]
@@ -66,7 +75,7 @@ def _check_plausible(doc: dict[str, Any], requests: int, output_len: int) -> Non
         assert ttft[k] <= e2el[k]
     # e2el = ttft + (n - 1) * tpot per request, so the means add up too.
     assert e2el["mean"] == pytest.approx(ttft["mean"] + (output_len - 1) * tpot["mean"])
-    assert doc["itl_ms"]["max"] <= e2el["max"]
+    assert doc["itl_ms"]["max"] is None or doc["itl_ms"]["max"] <= e2el["max"]  # (None: merged)
 
 
 def test_bench_serve_against_a_disaggregated_cluster(cluster: Service, tmp_path: Path) -> None:
@@ -163,7 +172,7 @@ def test_bench_serve_goodput_search(cluster: Service, tmp_path: Path) -> None:
         assert 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
     assert [run["config"]["rate"] for run in doc["runs"]] == [10, 20, 40]
     for run in doc["runs"]:
-        _check_plausible(run, requests=4, output_len=4)
+        _check_plausible(run, requests=4, output_len=4, gaps_may_merge=True)
         assert run["config"]["seed"] == 0 and run["slo_attainment"] == 1.0
     assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 0
 
