@@ -1,5 +1,7 @@
-"""HTTP client of the nodes' internal API (`common.wire.node_messages`): one aiohttp session, a
-timeout per call kind, NDJSON token streams, and error bodies turned into `BackendError`s.
+"""HTTP client of the nodes' internal API (`common.wire.node_messages`): one aiohttp session
+for control calls and the one-call prefill, `http1`'s lean client for the streamed calls on
+every first token's path (the streamed prefill, decode and generate streams), a timeout per
+call kind, NDJSON token streams, and error bodies turned into `BackendError`s.
 
 Error mapping (what a caller may do next):
 - `NodeUnreachable` (503): the node never took the request (connection refused or reset
