@@ -1,6 +1,6 @@
 """HTTP client of the nodes' internal API (`common.wire.node_messages`): one aiohttp session
-for control calls and the one-call prefill, `http1`'s lean client for the streamed calls on
-every first token's path (the streamed prefill, decode and generate streams), a timeout per
+for control calls, `http1`'s lean client for the calls on every first token's path (the
+prefill, streamed or in one call, and the decode and generate streams), a timeout per
 call kind, NDJSON token streams, and error bodies turned into `BackendError`s.
 
 Error mapping (what a caller may do next):
@@ -120,8 +120,8 @@ class NodeClient:
         self.timeouts = timeouts or NodeTimeouts()
         self.on_cancel = on_cancel  # told each node's answer to a cancel (for the trace)
         self._headers = bearer(cluster_token) if cluster_token is not None else {}
-        self._session: aiohttp.ClientSession | None = None  # control and one-call prefill
-        self._http: http1.Http1Client | None = None  # the streamed calls (see `_open`)
+        self._session: aiohttp.ClientSession | None = None  # control calls
+        self._http: http1.Http1Client | None = None  # the first token's calls (see `_open`)
         self._cancels: set[asyncio.Task[None]] = set()
         self._streams: set[NodeStream] = set()  # open token streams (for abort)
         self._calls: dict[str, set[_Guard]] = {}  # guarded calls in flight, by node
@@ -194,10 +194,28 @@ class NodeClient:
         return data
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillResult:
-        call = self._call(
-            url, PREFILL_PATH, req, PrefillResult, self._total(self.timeouts.prefill_s)
-        )
-        return await self._guarded(url, call)
+        """The one-call prefill (its answer is the first token), over `http1` as the
+        streamed calls are: it is on the first token's path too."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeouts.prefill_s
+        resp = await self._open(url, PREFILL_PATH, req, self.timeouts.prefill_s)
+        try:
+            async with asyncio.timeout_at(deadline):
+                body = await self._guarded(url, resp.read())
+        except asyncio.TimeoutError:
+            raise BackendError.failed(
+                f"node {url} did not answer {PREFILL_PATH} within {self.timeouts.prefill_s:g} s"
+            ) from None
+        except http1.HttpError as e:  # it answered 200, then its connection broke
+            raise NodeUnreachable(url, f"broke off: {e}", maybe_received=True) from None
+        finally:
+            resp.close()
+        try:
+            return from_json(body, PrefillResult)
+        except MessageError as e:
+            raise BackendError.failed(
+                f"node {url} answered {PREFILL_PATH} with garbage: {e}"
+            ) from None
 
     async def prefill_streamed(self, url: str, req: PrefillRequest) -> PrefillStream:
         """Start a streamed prefill (KV written while the prompt computes); the stream's
@@ -260,7 +278,7 @@ class NodeClient:
         `timeout_s`; else the error its answer (or its absence) means.
 
         On `http1`, not aiohttp: these are the calls on every first token's path (the
-        streamed prefill, the decode stream), and aiohttp's client costs 0.2 ms more each."""
+        prefill, the decode stream), and aiohttp's client costs 0.2 ms more each."""
         if self._http is None:
             raise RuntimeError("NodeClient.start() was not called")
         try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -29,22 +28,15 @@ SP = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 def _client(error: type[BaseException]) -> NodeClient:
-    """A client whose transport fails with `error` (aiohttp's for one-call prefills, `http1`'s
-    for streams, which a connect timeout ends as `ConnectTimedOut` and a read timeout as the
-    caller's own TimeoutError)."""
+    """A client whose transport (`http1`, for prefills and streams alike) fails with `error`:
+    `ConnectTimedOut` is its connect timeout, a TimeoutError the caller's own read timeout."""
     client = NodeClient(NodeTimeouts(connect_s=0.5))
-    streamed = {aiohttp.ConnectionTimeoutError: http1.ConnectTimedOut}.get(error, TimeoutError)
 
-    class Session:
-        def post(self, *args: Any, **kwargs: Any) -> Any:
+    class Transport:
+        async def post(self, *args: Any, **kwargs: Any) -> Any:
             raise error("timed out")
 
-    class Streams:
-        async def post(self, *args: Any, **kwargs: Any) -> Any:
-            raise streamed("timed out")
-
-    client._session = Session()  # type: ignore[assignment]
-    client._http = Streams()  # type: ignore[assignment]
+    client._http = Transport()  # type: ignore[assignment]
     return client
 
 
@@ -59,10 +51,10 @@ def test_a_connect_timeout_is_unreachable_and_a_read_timeout_is_not(op: str) -> 
             await client.open_stream("http://n", GENERATE_PATH, msg, "r")
 
     with pytest.raises(NodeUnreachable, match="no connection within 0.5 s") as err:
-        asyncio.run(call(_client(aiohttp.ConnectionTimeoutError)))
+        asyncio.run(call(_client(http1.ConnectTimedOut)))
     assert not err.value.maybe_received  # nothing was sent: no Cancel needed
     with pytest.raises(BackendError) as err2:
-        asyncio.run(call(_client(aiohttp.SocketTimeoutError)))
+        asyncio.run(call(_client(TimeoutError)))
     assert not isinstance(err2.value, NodeUnreachable)  # it may be computing: not retried
 
 
@@ -165,7 +157,7 @@ def test_a_stream_ending_mid_line_or_an_endless_line_is_a_failure() -> None:
 
 
 def test_a_stream_read_to_its_end_leaves_its_connection_to_the_next() -> None:
-    """(aiohttp releases the connection when the body ends; closing the stream keeps that.)"""
+    """(The connection goes back to the pool when the body ends; closing the stream keeps that.)"""
 
     async def body() -> list[object]:
         gate, peers = asyncio.Event(), []
