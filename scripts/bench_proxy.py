@@ -11,7 +11,7 @@ The proxy runs as its own process (`pdserve proxy`, the real one, in front of on
 and one decode stand-in), pinned to core K when the machine has more than one; this
 process runs the client, and a child process of its own the stand-ins
 (`proxy.bench.standin_process`: in one event loop with the client, an answer waited behind
-the client's reads), on the other cores. Four phases of S seconds:
+the client's reads), on the other cores. Five phases of S seconds:
 
 - throughput: C streams at once, closed loop, N output tokens each: relayed tokens/s;
 - requests: C streams at once, closed loop, 2 output tokens each (a prefill call, a decode
@@ -20,6 +20,9 @@ the client's reads), on the other cores. Four phases of S seconds:
   stand-in: the client's TTFT (the proxy's whole added time, plus loopback hops to nodes
   that answer at once) and, per token, the time from the stand-in's write to the client's
   read (what the proxy's relay adds to every token);
+- direct: the latency phase with no proxy: the client makes the calls a proxy would make
+  (a one-call prefill, a decode stream) to the stand-ins itself: what the nodes and two
+  loopback hops cost, so that the latency phase's TTFT less this is what the proxy adds;
 - floor: the latency phase through `proxy.bench.null_proxy`, a proxy that only forwards,
   on the same core: what the loopback hops cost here before any proxy does any work.
 
@@ -32,9 +35,11 @@ on (its default), each prefill is the streamed call (the KV handle's line, then 
 token's), off the one-call prefill.
 
 JSON (`--json OUT`): `requests_per_s`, `tokens_per_s`, `added_ttft_ms_p99` (the headline
-numbers: requests phase, throughput phase, latency phase), their per-core forms,
-`floor_ttft_ms_p99` and `ttft_over_floor_ms_{p50,p99}` (the latency phase's quantiles less
-the floor's), and each phase's details. Exit status 0, or 1 when a phase completed no request.
+numbers: requests phase, throughput phase, latency phase: the client's whole TTFT p99),
+their per-core forms, `direct_ttft_ms_p99` and `ttft_over_direct_ms_{p50,p99}` (the latency
+phase's quantiles less those with no proxy), `floor_ttft_ms_p99` and
+`ttft_over_floor_ms_{p50,p99}` (less the forwarder's), and each phase's details. Exit status
+0, or 1 when a phase completed no request.
 """
 
 from __future__ import annotations
@@ -89,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the (first) proxy under cProfile, stats written to FILE (slows it down)",
     )  # fmt: skip
     p.add_argument(
-        "--phases", default="throughput,requests,latency,floor", help="comma-separated subset"
+        "--phases",
+        default="throughput,requests,latency,direct,floor",
+        help="comma-separated subset",
     )
     p.add_argument(
         "--kv-streaming", choices=("on", "off"), default="on",
@@ -235,6 +242,14 @@ class Connection:
     def close(self) -> None:
         self.writer.close()
 
+    async def post(self, path: bytes, body: bytes) -> bytes:
+        """POST `body` to `path` (a stand-in's node protocol); the answer's head, lowercased."""
+        self.writer.write(
+            b"POST %s HTTP/1.1\r\nHost: node\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path, len(body), body)
+        )
+        return (await self.reader.readuntil(b"\r\n\r\n")).lower()
+
     async def stream(self, body: bytes, out: Outcome, t0: float) -> None:
         """POST `body` to /v1/completions and read its SSE answer into `out`."""
         self.writer.write(
@@ -277,6 +292,49 @@ class Connection:
                     out.error = "stream error"
         if status != 200:
             out.error = f"HTTP {status}"
+
+
+class DirectConnection:
+    """The client without a proxy: one keep-alive connection to each stand-in, doing on the
+    wire what `proxy.bench.null_proxy` does (a one-call prefill, then a decode stream), so
+    that its TTFT is what the nodes and two loopback hops cost with no proxy at all."""
+
+    def __init__(self, prefill: Connection, decode: Connection) -> None:
+        self.prefill = prefill
+        self.decode = decode
+
+    @classmethod
+    async def open(cls, prefill_url: str, decode_url: str) -> DirectConnection:
+        return cls(await Connection.open(prefill_url), await Connection.open(decode_url))
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+    async def stream(self, max_tokens: int, out: Outcome, t0: float) -> None:
+        rid = f"direct-{id(self):x}-{time.monotonic_ns()}"
+        sampling = {"max_tokens": max_tokens}
+        body = json.dumps(
+            {"request_id": rid, "prompt_token_ids": [1, 2, 3, 4], "sampling": sampling,
+             "lease_s": 30.0}
+        ).encode()  # fmt: skip
+        head = await self.prefill.post(b"/internal/prefill", body)
+        await self.prefill.reader.readexactly(_content_length(head))
+        out.ttft_s = time.monotonic() - t0
+        body = json.dumps({"request_id": rid, "sampling": sampling}).encode()
+        head = await self.decode.post(b"/internal/decode", body)
+        tokens = 1
+        while b"chunked" in head:
+            size = int((await self.decode.reader.readuntil(b"\r\n"))[:-2], 16)
+            data = await self.decode.reader.readexactly(size + 2)
+            if size == 0:
+                break
+            tokens += data.count(b"\n") - 1
+        out.tokens, out.ok = tokens, True
+
+
+def _content_length(head: bytes) -> int:
+    return int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
 
 
 class Pool:
@@ -381,6 +439,9 @@ class Bench:
         for pool in self.pools:
             pool.close()
 
+    async def _one(self, max_tokens: int, record: bool) -> Outcome:
+        return await one_request(self._pool(), self.model, max_tokens, self.timeout_s, record)
+
     def _cpu(self) -> float:
         return sum(p.cpu_s() for p in self.proxies)
 
@@ -414,8 +475,7 @@ class Bench:
                 delay = t0 + i / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                coro = one_request(self._pool(), self.model, max_tokens, self.timeout_s, timed)
-                tasks.append(asyncio.ensure_future(coro))
+                tasks.append(asyncio.ensure_future(self._one(max_tokens, timed)))
             outcomes = list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:
@@ -433,6 +493,40 @@ class Bench:
                 if 1 <= newest <= len(written):
                     relay.append(arrived - written[newest - 1])
         return result, relay
+
+
+class DirectBench(Bench):
+    """The open loop with no proxy: the client calls the stand-ins itself."""
+
+    def __init__(self, standins: StandInProcess, timeout_s: float) -> None:
+        super().__init__([], "", standins, timeout_s, ["t"])
+        self.idle: list[DirectConnection] = []
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.close()
+        self.idle.clear()
+
+    def _cpu(self) -> float:
+        return 0.0  # no proxy
+
+    async def _one(self, max_tokens: int, record: bool) -> Outcome:
+        out = Outcome(ok=False)
+        t0 = time.monotonic()
+        conn: DirectConnection | None = None
+        try:
+            if self.idle:
+                conn = self.idle.pop()
+            else:
+                urls = self.standins.prefill_url, self.standins.decode_url
+                conn = await DirectConnection.open(*urls)
+            await asyncio.wait_for(conn.stream(max_tokens, out, t0), self.timeout_s)
+            self.idle.append(conn)
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
+            out.ok, out.error = False, type(e).__name__
+            if conn is not None:
+                conn.close()
+        return out
 
 
 def quantile_ms(values: list[float], q: float) -> float | None:
@@ -555,6 +649,25 @@ async def _phases(
         }
         report["added_ttft_ms_p99"] = report["phases"]["latency"]["ttft_ms_p99"]
         report["added_token_ms_p99"] = report["phases"]["latency"]["token_relay_ms_p99"]
+    if "direct" in phases:
+        standins.set_token_interval(args.token_interval_ms / 1000)
+        direct = DirectBench(standins, args.request_timeout_s)
+        try:
+            r, _ = await direct.open_loop(args.rate, 16, args.duration_s, timed=False)
+        finally:
+            direct.close()
+        report["phases"]["direct"] = {
+            "what": "the client calling the stand-ins itself, no proxy; same rate",
+            "rate": args.rate, **r.summary(), **_ttft_ms(r),
+        }  # fmt: skip
+        report["direct_ttft_ms_p99"] = report["phases"]["direct"]["ttft_ms_p99"]
+        if "latency" in phases:
+            # What the proxy adds to a client's TTFT (its hops included): the quantiles'
+            # difference with and without it.
+            lat, base = report["phases"]["latency"], report["phases"]["direct"]
+            for q in ("p50", "p99"):
+                a, b = lat[f"ttft_ms_{q}"], base[f"ttft_ms_{q}"]
+                report[f"ttft_over_direct_ms_{q}"] = None if None in (a, b) else round(a - b, 3)
     if "floor" in phases:
         report["phases"]["floor"] = await _floor(args, bench, standins, proxy_cores)
         report["floor_ttft_ms_p99"] = report["phases"]["floor"]["ttft_ms_p99"]
@@ -603,13 +716,17 @@ def print_report(report: dict[str, Any]) -> None:
     cores = report["proxy_cores"]
     print(f"bench_proxy: {report['what']} ({report['proxies']} proxy, cores {cores})")
     for name, phase in report["phases"].items():
-        print(
+        line = (
             f"  {name:10s} {phase['completed']:6d} done {phase['failed']:4d} failed  "
-            f"{phase['requests_per_s']:9.1f} req/s {phase['tokens_per_s']:10.1f} tok/s  "
-            f"proxy {phase['proxy_cores_used']:.2f} cores -> "
-            f"{phase['requests_per_s_per_proxy_core']:9.1f} req/s "
-            f"{phase['tokens_per_s_per_proxy_core']:10.1f} tok/s per core"
+            f"{phase['requests_per_s']:9.1f} req/s {phase['tokens_per_s']:10.1f} tok/s"
         )
+        if name != "direct":  # (no proxy there)
+            line += (
+                f"  proxy {phase['proxy_cores_used']:.2f} cores -> "
+                f"{phase['requests_per_s_per_proxy_core']:9.1f} req/s "
+                f"{phase['tokens_per_s_per_proxy_core']:10.1f} tok/s per core"
+            )
+        print(line)
         if name == "floor":
             print(
                 f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms "
@@ -620,6 +737,17 @@ def print_report(report: dict[str, Any]) -> None:
                     f"  {'':10s} pdserve's TTFT over the floor: "
                     f"p50 {report['ttft_over_floor_ms_p50']:+} ms, "
                     f"p99 {report['ttft_over_floor_ms_p99']:+} ms"
+                )
+        if name == "direct":
+            print(
+                f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms "
+                "(no proxy: the client calls the stand-ins itself)"
+            )
+            if "ttft_over_direct_ms_p99" in report:
+                print(
+                    f"  {'':10s} pdserve's TTFT over no proxy: "
+                    f"p50 {report['ttft_over_direct_ms_p50']:+} ms, "
+                    f"p99 {report['ttft_over_direct_ms_p99']:+} ms"
                 )
         if name == "latency":
             print(

@@ -49,3 +49,9 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     assert report["floor_ttft_ms_p99"] > 0
     over = latency["ttft_ms_p99"] - floor["ttft_ms_p99"]
     assert report["ttft_over_floor_ms_p99"] == pytest.approx(over, abs=1e-3)
+    # no proxy: the client calls the stand-ins itself, every token read
+    direct = phases["direct"]
+    assert direct["completed"] == 20 and direct["tokens"] == 20 * 16
+    assert report["direct_ttft_ms_p99"] > 0
+    over = latency["ttft_ms_p99"] - direct["ttft_ms_p99"]
+    assert report["ttft_over_direct_ms_p99"] == pytest.approx(over, abs=1e-3)
