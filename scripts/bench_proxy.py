@@ -320,11 +320,18 @@ class DirectConnection:
         ).encode()  # fmt: skip
         head = await self.prefill.post(b"/internal/prefill", body)
         await self.prefill.reader.readexactly(_content_length(head))
+        if not head.startswith(b"http/1.1 200"):
+            out.error = "prefill HTTP " + head[9:12].decode(errors="replace")
+            return
         out.ttft_s = time.monotonic() - t0
         body = json.dumps({"request_id": rid, "sampling": sampling}).encode()
         head = await self.decode.post(b"/internal/decode", body)
+        if not head.startswith(b"http/1.1 200") or b"chunked" not in head:
+            await self.decode.reader.readexactly(_content_length(head))
+            out.error = "decode HTTP " + head[9:12].decode(errors="replace")
+            return
         tokens = 1
-        while b"chunked" in head:
+        while True:
             size = int((await self.decode.reader.readuntil(b"\r\n"))[:-2], 16)
             data = await self.decode.reader.readexactly(size + 2)
             if size == 0:
@@ -523,7 +530,7 @@ class DirectBench(Bench):
             await asyncio.wait_for(conn.stream(max_tokens, out, t0), self.timeout_s)
             self.idle.append(conn)
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
-            out.ok, out.error = False, type(e).__name__
+            out.ok, out.error = False, out.error or type(e).__name__
             if conn is not None:
                 conn.close()
         return out
