@@ -55,9 +55,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
@@ -371,11 +373,31 @@ async def one_request(
     ).encode()
     out = Outcome(ok=False, record=record)
     t0 = time.monotonic()
-    conn: Connection | None = None
+    opener = partial(Connection.open, pool.url)
+    return await on_idle(pool.idle, opener, lambda c: c.stream(body, out, t0), out, timeout_s)
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Closable)
+
+
+async def on_idle(
+    idle: list[C],
+    opener: Callable[[], Awaitable[C]],
+    call: Callable[[C], Awaitable[None]],
+    out: Outcome,
+    timeout_s: float,
+) -> Outcome:
+    """`call` on an idle connection (or a new one from `opener`), given back to `idle` once
+    it read a whole answer; on an error or timeout, dropped, and `out` says why."""
+    conn: C | None = None
     try:
-        conn = pool.idle.pop() if pool.idle else await Connection.open(pool.url)
-        await asyncio.wait_for(conn.stream(body, out, t0), timeout_s)
-        pool.idle.append(conn)
+        conn = idle.pop() if idle else await opener()
+        await asyncio.wait_for(call(conn), timeout_s)
+        idle.append(conn)
     except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
         out.ok, out.error = False, out.error or type(e).__name__
         if conn is not None:
@@ -520,20 +542,10 @@ class DirectBench(Bench):
     async def _one(self, max_tokens: int, record: bool) -> Outcome:
         out = Outcome(ok=False)
         t0 = time.monotonic()
-        conn: DirectConnection | None = None
-        try:
-            if self.idle:
-                conn = self.idle.pop()
-            else:
-                urls = self.standins.prefill_url, self.standins.decode_url
-                conn = await DirectConnection.open(*urls)
-            await asyncio.wait_for(conn.stream(max_tokens, out, t0), self.timeout_s)
-            self.idle.append(conn)
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
-            out.ok, out.error = False, out.error or type(e).__name__
-            if conn is not None:
-                conn.close()
-        return out
+        opener = partial(DirectConnection.open, self.standins.prefill_url, self.standins.decode_url)
+        return await on_idle(
+            self.idle, opener, lambda c: c.stream(max_tokens, out, t0), out, self.timeout_s
+        )
 
 
 def quantile_ms(values: list[float], q: float) -> float | None:
