@@ -196,7 +196,7 @@ class PrefillNode(TransferNode):
             msg.request_id, msg.prompt_token_ids, msg.sampling, True, True, transfer=entry
         )
         events: list[NodeEvent] = [("prefill received", received)]
-        resp = ndjson_response()
+        resp = ndjson_response(with_first_line=True)  # prepared with the KV handle's line
         final: StepOutput | None = None
         try:
             async for out in outputs:

@@ -372,8 +372,16 @@ def json_message(msg: Message, status: int = 200) -> web.Response:
     return web.Response(body=to_json(msg), status=status, content_type="application/json")
 
 
-def ndjson_response() -> web.StreamResponse:
-    return web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+class _WithFirstLine(web.StreamResponse):
+    _send_headers_immediately = False  # aiohttp: the headers wait for the first write
+
+
+def ndjson_response(with_first_line: bool = False) -> web.StreamResponse:
+    """An NDJSON stream. Its headers go out at `prepare` (they tell the proxy the node took
+    the request), or, `with_first_line`, together with the first line, in one write: for a
+    handler that prepares only once that line is ready."""
+    cls = _WithFirstLine if with_first_line else web.StreamResponse
+    return cls(headers={"Content-Type": "application/x-ndjson"})
 
 
 async def write_error_line(resp: web.StreamResponse, request_id: str, err: ApiError) -> None:

@@ -115,7 +115,7 @@ class StandInNode:
             # The KV handle, then the result at once: the prompt "computed" instantly, and
             # the decode stand-in reads no KV.
             result = self._prefill(json.loads(body))
-            conn.start_chunked(200, "application/x-ndjson")
+            conn.start_chunked(200, "application/x-ndjson", with_first_chunk=True)
             if result.kv is not None:
                 accepted = PrefillAccepted(request_id=result.request_id, kv=result.kv)
                 conn.send_chunk(to_json(accepted) + b"\n")
@@ -222,6 +222,7 @@ class _Connection(asyncio.Protocol):
         self.buf = b""
         self.closed = False
         self.streaming = False
+        self._head = b""  # a chunked answer's head, not yet written (see start_chunked)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -268,16 +269,24 @@ class _Connection(asyncio.Protocol):
     def send_json(self, status: int, obj: object) -> None:
         self.send_body(status, json.dumps(obj).encode())
 
-    def start_chunked(self, status: int, content_type: str) -> None:
+    def start_chunked(self, status: int, content_type: str, with_first_chunk: bool = False) -> None:
+        """The head of a chunked answer: written now (a decode node's headers say it took the
+        request), or `with_first_chunk`, in the same write as that (a streamed prefill's
+        headers go out with its KV handle's line, as the prefill node sends them)."""
         self.streaming = True
         head = f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\n"
-        self._write(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+        self._head = f"{head}Transfer-Encoding: chunked\r\n\r\n".encode()
+        if not with_first_chunk:
+            self._write(self._head)
+            self._head = b""
 
     def send_chunk(self, data: bytes) -> None:
-        self._write(b"%x\r\n%s\r\n" % (len(data), data))
+        self._write(self._head + b"%x\r\n%s\r\n" % (len(data), data))
+        self._head = b""
 
     def end_chunked(self) -> None:
-        self._write(b"0\r\n\r\n")
+        self._write(self._head + b"0\r\n\r\n")
+        self._head = b""
         self.streaming = False
         if self.buf:
             self.data_received(b"")  # a request that came while this one streamed

@@ -63,6 +63,15 @@ SSE_HEADERS = {
 HealthCheck = Callable[[], Awaitable[bool]]
 
 
+class SseResponse(web.StreamResponse):
+    """An event stream whose headers go out with its first event, in one write. (aiohttp's
+    StreamResponse sends them alone at `prepare`, its Response with the body: this is the
+    same switch.) Prepared only once the first event is ready, it saves the first token a
+    send here and a read at the client."""
+
+    _send_headers_immediately = False
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     max_body_bytes: int = 4 * 2**20  # larger bodies get 413
@@ -193,7 +202,7 @@ class ProxyServer:
                 body = await collect(gen, fmt)
                 return web.json_response(body, headers={REQUEST_ID_HEADER: prep.request_id})
             first = await gen.next_delta()  # errors before this point are plain HTTP errors
-            resp = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: prep.request_id})
+            resp = SseResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: prep.request_id})
             await resp.prepare(request)
             await write_stream(resp, gen, first, fmt)
             return resp
@@ -224,7 +233,7 @@ class ProxyServer:
                 events.finished(_finish_reason(gens), usage.prompt_tokens, usage.completion_tokens)
                 return web.json_response(body, headers=headers)
             firsts = await run_all([g.next_delta() for g in gens])
-            resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+            resp = SseResponse(headers={**SSE_HEADERS, **headers})
             await resp.prepare(request)
             await write_streams(resp, gens, firsts, fmts)
             return resp

@@ -3,13 +3,16 @@ JSON as the pydantic models it replaces on the hot path."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.http.responses import ChatFormat, CompletionFormat, ResponseMeta, TextEvents
+from proxy.http.server import SSE_HEADERS, SseResponse
 from proxy.http.text_stream import TextDelta
+from tests.support.response_writes import transport_writes
 
 FORMATS = (CompletionFormat, ChatFormat)
 
@@ -41,3 +44,13 @@ def test_a_finishing_delta_and_an_unlucky_name_take_the_models_path() -> None:
         assert _payload(odd.stream_delta(TextDelta("x"))) == _payload(
             odd._delta_chunk(TextDelta("x"))
         )
+
+
+def test_sse_headers_go_out_with_the_first_event() -> None:
+    """One write for the head and the first event: the first token's send, and the client's
+    read of it, are not split in two."""
+    resp = SseResponse(headers=SSE_HEADERS)
+    at_prepare, writes = asyncio.run(transport_writes(resp, b"data: x\n\n"))
+    assert at_prepare == 0
+    assert len(writes) == 1
+    assert writes[0].startswith(b"HTTP/1.1 200") and writes[0].endswith(b"\r\ndata: x\n\n\r\n")

@@ -1,0 +1,41 @@
+"""What an aiohttp response writes to its transport, and when: for the tests of responses
+whose headers go out with their first write."""
+
+from __future__ import annotations
+
+import asyncio
+from unittest import mock
+
+from aiohttp import web
+from aiohttp.http_writer import StreamWriter
+from aiohttp.test_utils import make_mocked_request
+
+
+class _RecordingTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, lines: object) -> None:
+        self.writes.append(b"".join(lines))  # type: ignore[arg-type]
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def transport_writes(resp: web.StreamResponse, first: bytes) -> tuple[int, list[bytes]]:
+    """Prepare `resp` and write `first`: how many transport writes `prepare` made, and all
+    the writes after `first`."""
+    transport = _RecordingTransport()
+    protocol = mock.Mock(transport=transport)
+    writer = StreamWriter(protocol, asyncio.get_running_loop())
+    request = make_mocked_request(
+        "POST", "/", writer=writer, protocol=protocol, transport=transport
+    )
+    await resp.prepare(request)
+    at_prepare = len(transport.writes)
+    await resp.write(first)
+    return at_prepare, transport.writes
