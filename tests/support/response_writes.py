@@ -4,6 +4,7 @@ whose headers go out with their first write."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from unittest import mock
 
 from aiohttp import web
@@ -19,8 +20,8 @@ class _RecordingTransport(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.writes.append(bytes(data))
 
-    def writelines(self, lines: object) -> None:
-        self.writes.append(b"".join(lines))  # type: ignore[arg-type]
+    def writelines(self, lines: Iterable[bytes | bytearray | memoryview]) -> None:
+        self.writes.append(b"".join(lines))
 
     def is_closing(self) -> bool:
         return False
