@@ -96,7 +96,10 @@ class NodeRegistry:
         self._lost_listeners: list[NodeListener] = []
         self._poller: asyncio.Task[None] | None = None
         self._polls: dict[str, asyncio.Task[None]] = {}  # the poll in flight, by node
-        self._picks = 0
+        # Each rotation's own count of turns (a pool's candidates, the dispatch order): one
+        # shared count let the dispatches between two prefill picks decide the next pick's
+        # tie, and with two prefill nodes an even number of them sent every tie to one.
+        self._turns: dict[str, int] = {}
         self.index: KVIndex | None = None  # the nodes' prefix caches (set by the proxy)
         self.router = Router(self.candidates, Policy.COST)
 
@@ -166,7 +169,7 @@ class NodeRegistry:
     def decode_candidates(self, prompt_token_ids: list[int] | None = None) -> list[Node]:
         """Healthy decode nodes, roomiest first (the first offer goes there): a free slot,
         then free blocks plus the blocks of the prompt the node has cached."""
-        nodes = self._rotated(self.routable(Role.DECODE))
+        nodes = self._rotated(self.routable(Role.DECODE), "dispatch")
 
         def room(n: Node) -> tuple[bool, int]:
             slot, free = n.decode_room()
@@ -225,12 +228,13 @@ class NodeRegistry:
         nodes = [n for n in self.routable(role) if n.url not in exclude]
         if not nodes:
             raise BackendError.unavailable(f"no healthy {role.value} node", retry_after=1.0)
-        return self._rotated(nodes)
+        return self._rotated(nodes, role.value)
 
-    def _rotated(self, nodes: list[Node]) -> list[Node]:
-        """`nodes` rotated by a counter, so that ties are broken round robin."""
-        self._picks += 1
-        k = self._picks % len(nodes) if nodes else 0
+    def _rotated(self, nodes: list[Node], rotation: str) -> list[Node]:
+        """`nodes` rotated by one more each time `rotation` turns, so that its ties are
+        broken round robin."""
+        turn = self._turns[rotation] = self._turns.get(rotation, 0) + 1
+        k = turn % len(nodes) if nodes else 0
         return nodes[k:] + nodes[:k]
 
     # -- polling -----------------------------------------------------------------------------

@@ -147,6 +147,28 @@ def test_prefill_goes_to_the_least_queued_node_counting_what_was_sent_since_the_
     run(body())
 
 
+def test_tied_prefill_nodes_take_turns_whatever_the_dispatches_in_between() -> None:
+    """Two idle prefill nodes share the prompts, however many times the inter-stage queue
+    ordered the decode nodes between two picks (once a request, as a 1P2D run does, used to
+    send every tie to the same prefill node)."""
+
+    async def body() -> None:
+        nodes = [StubNode("prefill"), StubNode("prefill"), StubNode("decode")]
+        async with stubs(*nodes), Registry(poll_interval_s=60) as registry:
+            a, b, _ = [registry.add(n.url, n.role) for n in nodes]
+            await registry.poll_all()
+            for dispatches in (1, 2, 1, 3):
+                picks = []
+                for _ in range(4):
+                    picks.append(_prefill(registry))
+                    for _ in range(dispatches):
+                        registry.decode_candidates()
+                assert picks.count(a) == picks.count(b) == 2, dispatches
+                assert picks[0] is not picks[1]
+
+    run(body())
+
+
 def test_decode_candidates_are_ordered_by_free_capacity() -> None:
     async def body() -> None:
         nodes = [StubNode("decode") for _ in range(3)]
