@@ -50,7 +50,15 @@ def pools(slow_2p2d: Cluster) -> Iterator[Pools]:
     try:
         yield Pools(slow_2p2d, proxy, prefill, decode)
     finally:
-        proxy.stop()
+        try:
+            # A test that failed mid-move must not leave the shared nodes to the next module
+            # with a decode node in the prefill pool.
+            for node in decode:
+                if node.state()["role"] != "decode":
+                    body = {"url": node.url, "role": "decode"}
+                    http_json(f"{proxy.url}/admin/nodes/role", body, timeout=60.0)
+        finally:
+            proxy.stop()
 
 
 async def _move(session: aiohttp.ClientSession, proxy: Server, body: dict[str, Any]) -> Any:
