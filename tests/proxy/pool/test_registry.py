@@ -13,6 +13,7 @@ from proxy.pool.admin import AdminRoutes
 from proxy.pool.client import NodeClient
 from proxy.pool.node_state import Node, NodeStatus, Role
 from proxy.pool.registry import NodeRegistry, RegistrationError, RegistryConfig
+from proxy.pool.router import Policy
 from tests.support.node_stubs import FAST, StubNode, eventually, run, stubs
 
 
@@ -165,6 +166,15 @@ def test_tied_prefill_nodes_take_turns_whatever_the_dispatches_in_between() -> N
                         registry.decode_candidates()
                 assert picks.count(a) == picks.count(b) == 2, dispatches
                 assert picks[0] is not picks[1]
+            # The round-robin policy is the same rotation, ties or not.
+            nodes[0].queued_prefill_tokens = 1000
+            await registry.poll_all()
+            registry.router.policy = Policy.ROUND_ROBIN
+            picks = []
+            for _ in range(4):
+                picks.append(_prefill(registry))
+                registry.decode_candidates()
+            assert picks.count(a) == picks.count(b) == 2
 
     run(body())
 
