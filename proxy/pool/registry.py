@@ -98,7 +98,7 @@ class NodeRegistry:
         self._polls: dict[str, asyncio.Task[None]] = {}  # the poll in flight, by node
         # Each rotation's own count of turns (a pool's candidates, the dispatch order): one
         # shared count let the dispatches between two prefill picks decide the next pick's
-        # tie, and with two prefill nodes an even number of them sent every tie to one.
+        # tie, and with two prefill nodes one dispatch a request sent every tie to the same.
         self._turns: dict[str, int] = {}
         self.index: KVIndex | None = None  # the nodes' prefix caches (set by the proxy)
         self.router = Router(self.candidates, Policy.COST)

@@ -150,8 +150,8 @@ def test_prefill_goes_to_the_least_queued_node_counting_what_was_sent_since_the_
 
 def test_tied_prefill_nodes_take_turns_whatever_the_dispatches_in_between() -> None:
     """Two idle prefill nodes share the prompts, however many times the inter-stage queue
-    ordered the decode nodes between two picks (once a request, as a 1P2D run does, used to
-    send every tie to the same prefill node)."""
+    ordered the decode nodes between two picks (once a request, as a disaggregated run does,
+    used to send every tie to the same prefill node)."""
 
     async def body() -> None:
         nodes = [StubNode("prefill"), StubNode("prefill"), StubNode("decode")]
