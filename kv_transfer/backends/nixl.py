@@ -226,8 +226,11 @@ class NixlBackend(Backend):
                 done = KVDone(request_id=xfer.request_id, num_blocks=xfer.src_ids.size)
                 self.send(xfer.peer_id, done)
             return WriteCompleted(xfer.request_id)
+        # The peer is lost if it was removed, or if the state says it disconnected (the write
+        # can fail with NIXL_ERR_REMOTE_DISCONNECT before the connection layer notices).
         dead = self._peers.get(xfer.peer_id)
-        return WriteFailed(xfer.request_id, f"nixl transfer {state}", dead is None or dead.dead)
+        lost = dead is None or dead.dead or _names_disconnect(state)
+        return WriteFailed(xfer.request_id, f"nixl transfer {state}", lost)
 
     def _notifications(self) -> list[BackendEvent]:
         try:
@@ -271,7 +274,11 @@ class NixlBackend(Backend):
 
 
 def _is_disconnect(e: BaseException) -> bool:
-    return "DISCONNECT" in str(e).upper() or type(e).__name__ == "nixlRemoteDisconnectError"
+    return _names_disconnect(str(e)) or type(e).__name__ == "nixlRemoteDisconnectError"
+
+
+def _names_disconnect(text: str) -> bool:
+    return "DISCONNECT" in text.upper()
 
 
 def _text(name: str | bytes) -> str:
