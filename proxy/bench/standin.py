@@ -262,6 +262,11 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.write(data)
 
+    def _write_body(self, data: bytes) -> None:
+        """Part of a chunked body, after its head if that has not gone out yet."""
+        self._write(self._head + data)
+        self._head = b""
+
     def send_body(self, status: int, body: bytes) -> None:
         head = f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
         self._write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -281,12 +286,10 @@ class _Connection(asyncio.Protocol):
             self._head = b""
 
     def send_chunk(self, data: bytes) -> None:
-        self._write(self._head + b"%x\r\n%s\r\n" % (len(data), data))
-        self._head = b""
+        self._write_body(b"%x\r\n%s\r\n" % (len(data), data))
 
     def end_chunked(self) -> None:
-        self._write(self._head + b"0\r\n\r\n")
-        self._head = b""
+        self._write_body(b"0\r\n\r\n")
         self.streaming = False
         if self.buf:
             self.data_received(b"")  # a request that came while this one streamed
