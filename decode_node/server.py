@@ -145,7 +145,13 @@ class DecodeNode(TransferNode):
             )
 
         return await stream_outputs(
-            request, msg.request_id, outputs, resp, first, self.metrics.token_gap.observe
+            request,
+            msg.request_id,
+            outputs,
+            resp,
+            first,
+            self.metrics.token_gap.observe,
+            msg.sampling.n,
         )
 
     async def _receive(self, entry: Incoming, msg: DecodeRequest, blocks: list[int]) -> int:

@@ -228,8 +228,7 @@ class PrefillNode(TransferNode):
         if final.kind is OutputKind.HELD:
             result = result.model_copy(update={"kv": self._handle(entry)})
             events.append(("held" if entry.state is HeldState.HELD else "streaming", time.time()))
-        await resp.write(to_json(result.model_copy(update={"events": events})) + b"\n")
-        await resp.write_eof()
+        await resp.write_eof(to_json(result.model_copy(update={"events": events})) + b"\n")
         return resp
 
     def _on_streamed(self, msg: PrefillRequest, entry: HeldKV, out: StepOutput) -> None:

@@ -270,7 +270,13 @@ class NodeServer:
             return [("generate received", received), *events]
 
         return await stream_outputs(
-            request, msg.request_id, outputs, None, first, self.metrics.token_gap.observe
+            request,
+            msg.request_id,
+            outputs,
+            None,
+            first,
+            self.metrics.token_gap.observe,
+            msg.sampling.n,
         )
 
     def engine_events(
@@ -392,8 +398,7 @@ async def write_error_line(resp: web.StreamResponse, request_id: str, err: ApiEr
         error=f"{err.code}: {err.message}",
         error_code=err.code,
     )
-    await resp.write(to_json(delta) + b"\n")
-    await resp.write_eof()
+    await resp.write_eof(to_json(delta) + b"\n")
 
 
 async def stream_outputs(
@@ -403,18 +408,22 @@ async def stream_outputs(
     resp: web.StreamResponse | None = None,
     on_first: Callable[[StepOutput], list[NodeEvent]] | None = None,
     token_gap: Callable[[float], None] | None = None,
+    choices: int = 1,
 ) -> web.StreamResponse:
     """Write engine outputs as NDJSON TokenDelta lines until the request finishes.
 
     `resp` may already be prepared. `on_first(output)` gives the trace events the first line
     carries (called for the output that has the request's engine times). `token_gap(s)` is
-    told the seconds between consecutive token lines as this node writes them. A disconnect
+    told the seconds between consecutive token lines as this node writes them. The line that
+    finishes the last of the request's `choices` goes out with the body's end, in one write:
+    the proxy reads both at once and keeps the connection for its next call. A disconnect
     cancels this handler; closing `outputs` then aborts the request.
     """
     if resp is None:
         resp = ndjson_response()
         await resp.prepare(request)
     last: float | None = None
+    unfinished = choices
     role = request.get(ROLE_KEY)
     evicted = role.evicted if role is not None else set()
     try:
@@ -428,7 +437,7 @@ async def stream_outputs(
                     error=f"{err.code}: {err.message}",
                     error_code=err.code,
                 )
-                await resp.write(to_json(delta) + b"\n")
+                await resp.write_eof(to_json(delta) + b"\n")
                 break
             reason = out.finish_reason.wire_name if out.finish_reason is not None else None
             events = on_first(out) if on_first is not None and out.times is not None else []
@@ -442,7 +451,11 @@ async def stream_outputs(
                 prompt_logprobs=out.prompt_logprobs,
                 choice=out.choice,
             )
-            await resp.write(to_json(delta) + b"\n")
+            unfinished -= reason is not None
+            if unfinished > 0:
+                await resp.write(to_json(delta) + b"\n")
+            else:
+                await resp.write_eof(to_json(delta) + b"\n")
             if out.new_token_ids and token_gap is not None:
                 now = time.monotonic()
                 if last is not None:
@@ -450,7 +463,7 @@ async def stream_outputs(
                 last = now
     except RuntimeError as e:  # the engine died mid-stream
         delta = TokenDelta(request_id=request_id, token_ids=[], error=str(e))
-        await resp.write(to_json(delta) + b"\n")
+        await resp.write_eof(to_json(delta) + b"\n")
     finally:
         await outputs.aclose()
     await resp.write_eof()

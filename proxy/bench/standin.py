@@ -119,8 +119,7 @@ class StandInNode:
             if result.kv is not None:
                 accepted = PrefillAccepted(request_id=result.request_id, kv=result.kv)
                 conn.send_chunk(to_json(accepted) + b"\n")
-            conn.send_chunk(to_json(result) + b"\n")
-            conn.end_chunked()
+            conn.end_chunked(to_json(result) + b"\n")
         elif path in ("/internal/decode", "/internal/generate"):
             msg = json.loads(body)
             decode = path == "/internal/decode"
@@ -185,11 +184,10 @@ class StandInNode:
         conn.start_chunked(200, "application/x-ndjson")
         self.streams += 1
         if self.token_interval_s <= 0:
-            for line in lines:
-                conn.send_chunk(line)
+            for i, line in enumerate(lines):
+                conn.send_line(line, i == len(lines) - 1)
                 if times is not None:
                     times.append(time.monotonic())
-            conn.end_chunked()
             return
         self.active += 1
         task = asyncio.get_running_loop().create_task(self._paced(conn, lines, times))
@@ -200,14 +198,13 @@ class StandInNode:
         self, conn: _Connection, lines: list[bytes], times: list[float] | None
     ) -> None:
         try:
-            for line in lines:
+            for i, line in enumerate(lines):
                 await asyncio.sleep(self.token_interval_s)
                 if conn.closed:
                     return
-                conn.send_chunk(line)
+                conn.send_line(line, i == len(lines) - 1)
                 if times is not None:
                     times.append(time.monotonic())
-            conn.end_chunked()
         finally:
             self.active -= 1
 
@@ -288,8 +285,17 @@ class _Connection(asyncio.Protocol):
     def send_chunk(self, data: bytes) -> None:
         self._write_body(b"%x\r\n%s\r\n" % (len(data), data))
 
-    def end_chunked(self) -> None:
-        self._write_body(b"0\r\n\r\n")
+    def send_line(self, line: bytes, last: bool) -> None:
+        """A stream's line; its last goes out with the body's end, as a node writes it."""
+        if last:
+            self.end_chunked(line)
+        else:
+            self.send_chunk(line)
+
+    def end_chunked(self, last: bytes = b"") -> None:
+        """The body's end, after its `last` chunk in the same write (if any)."""
+        chunk = b"%x\r\n%s\r\n" % (len(last), last) if last else b""
+        self._write_body(chunk + b"0\r\n\r\n")
         self.streaming = False
         if self.buf:
             self.data_received(b"")  # a request that came while this one streamed

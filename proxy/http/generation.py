@@ -155,10 +155,7 @@ async def write_stream(
     except Exception:
         log.exception("%s: stream failed", gen.request_id)
         error = internal_error()
-    gen.events.error(error, True)
-    with contextlib.suppress(ConnectionError):
-        await resp.write(sse_error(error))
-        await resp.write(SSE_DONE)
+    await _end_with(resp, gen.events, error)
 
 
 async def _write_events(
@@ -168,15 +165,20 @@ async def _write_events(
         await resp.write(start)
     while True:
         event = fmt.stream_delta(delta)
+        if delta.finish_reason is not None:
+            break
         if event is not None:
             await resp.write(event)
             gen.events.relayed(time.monotonic() - gen.arrived)
-        if delta.finish_reason is not None:
-            break
         delta = await gen.next_text()
+    # The last event, the usage chunk, [DONE] and the body's end go out in one write.
+    tail = [] if event is None else [event]
     if gen.prep.include_usage:
-        await resp.write(fmt.stream_usage(gen.usage()))
-    await resp.write(SSE_DONE)
+        tail.append(fmt.stream_usage(gen.usage()))
+    tail.append(SSE_DONE)
+    await resp.write_eof(b"".join(tail))
+    if event is not None:
+        gen.events.relayed(time.monotonic() - gen.arrived)
     gen.report_finished()
 
 
@@ -251,14 +253,19 @@ async def write_streams(
                 raise item
             i, delta = item
             event = fmts[i].stream_delta(delta)
-            if event is not None:
+            left -= delta.finish_reason is not None
+            if event is not None and left:
                 await resp.write(event)
                 events.relayed(time.monotonic() - gens[i].arrived)
-            left -= delta.finish_reason is not None
+        # The last choice's last event, the usage chunk and [DONE] end the body in one write.
         usage = total_usage(gens)
+        tail = [] if event is None else [event]
         if gens[0].prep.include_usage:
-            await resp.write(fmts[0].stream_usage(usage))
-        await resp.write(SSE_DONE)
+            tail.append(fmts[0].stream_usage(usage))
+        tail.append(SSE_DONE)
+        await resp.write_eof(b"".join(tail))
+        if event is not None:
+            events.relayed(time.monotonic() - gens[i].arrived)
         events.finished(
             gens[0].text.finish_reason or "stop", usage.prompt_tokens, usage.completion_tokens
         )
@@ -278,6 +285,5 @@ async def write_streams(
 
 async def _end_with(resp: web.StreamResponse, events: RequestEvents, error: ApiError) -> None:
     events.error(error, True)
-    with contextlib.suppress(ConnectionError):
-        await resp.write(sse_error(error))
-        await resp.write(SSE_DONE)
+    with contextlib.suppress(ConnectionError):  # the error event, [DONE], the body's end
+        await resp.write_eof(sse_error(error) + SSE_DONE)

@@ -27,16 +27,22 @@ class _RecordingTransport(asyncio.Transport):
         return False
 
 
+def recording_request(method: str = "POST", path: str = "/") -> tuple[web.Request, list[bytes]]:
+    """A request whose response writes go to a list: (the request, its transport's writes)."""
+    transport = _RecordingTransport()
+    protocol = mock.Mock(transport=transport, _paused=False)  # never waits to drain
+    writer = StreamWriter(protocol, asyncio.get_running_loop())
+    request = make_mocked_request(
+        method, path, writer=writer, protocol=protocol, transport=transport
+    )
+    return request, transport.writes
+
+
 async def transport_writes(resp: web.StreamResponse, first: bytes) -> tuple[int, list[bytes]]:
     """Prepare `resp` and write `first`: how many transport writes `prepare` made, and all
     the writes after `first`."""
-    transport = _RecordingTransport()
-    protocol = mock.Mock(transport=transport)
-    writer = StreamWriter(protocol, asyncio.get_running_loop())
-    request = make_mocked_request(
-        "POST", "/", writer=writer, protocol=protocol, transport=transport
-    )
+    request, writes = recording_request()
     await resp.prepare(request)
-    at_prepare = len(transport.writes)
+    at_prepare = len(writes)
     await resp.write(first)
-    return at_prepare, transport.writes
+    return at_prepare, writes
