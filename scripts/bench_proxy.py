@@ -427,7 +427,8 @@ class PhaseResult:
         for o in self.outcomes:
             if not o.ok:
                 errors[o.error or "incomplete"] = errors.get(o.error or "incomplete", 0) + 1
-        per_core = max(self.cores, 1e-9)
+        # Per proxy core: none where no proxy ran (the direct phase).
+        per_core = self.cores if self.proxy_cpu_s > 0 else None
         return {
             "wall_s": round(self.wall_s, 3),
             "completed": len(done),
@@ -437,9 +438,13 @@ class PhaseResult:
             "requests_per_s": round(len(done) / self.wall_s, 1),
             "tokens_per_s": round(tokens / self.wall_s, 1),
             "proxy_cores_used": round(self.cores, 3),
-            "requests_per_s_per_proxy_core": round(len(done) / self.wall_s / per_core, 1),
-            "tokens_per_s_per_proxy_core": round(tokens / self.wall_s / per_core, 1),
+            "requests_per_s_per_proxy_core": _per(len(done) / self.wall_s, per_core),
+            "tokens_per_s_per_proxy_core": _per(tokens / self.wall_s, per_core),
         }
+
+
+def _per(rate: float, cores: float | None) -> float | None:
+    return None if cores is None else round(rate / cores, 1)
 
 
 class Bench:
@@ -739,7 +744,7 @@ def print_report(report: dict[str, Any]) -> None:
             f"  {name:10s} {phase['completed']:6d} done {phase['failed']:4d} failed  "
             f"{phase['requests_per_s']:9.1f} req/s {phase['tokens_per_s']:10.1f} tok/s"
         )
-        if name != "direct":  # (no proxy there)
+        if phase["requests_per_s_per_proxy_core"] is not None:  # (none without a proxy)
             line += (
                 f"  proxy {phase['proxy_cores_used']:.2f} cores -> "
                 f"{phase['requests_per_s_per_proxy_core']:9.1f} req/s "
@@ -754,8 +759,8 @@ def print_report(report: dict[str, Any]) -> None:
             if "ttft_over_floor_ms_p99" in report:
                 print(
                     f"  {'':10s} pdserve's TTFT over the floor: "
-                    f"p50 {report['ttft_over_floor_ms_p50']:+} ms, "
-                    f"p99 {report['ttft_over_floor_ms_p99']:+} ms"
+                    f"p50 {_signed(report['ttft_over_floor_ms_p50'])} ms, "
+                    f"p99 {_signed(report['ttft_over_floor_ms_p99'])} ms"
                 )
         if name == "direct":
             print(
@@ -765,8 +770,8 @@ def print_report(report: dict[str, Any]) -> None:
             if "ttft_over_direct_ms_p99" in report:
                 print(
                     f"  {'':10s} pdserve's TTFT over no proxy: "
-                    f"p50 {report['ttft_over_direct_ms_p50']:+} ms, "
-                    f"p99 {report['ttft_over_direct_ms_p99']:+} ms"
+                    f"p50 {_signed(report['ttft_over_direct_ms_p50'])} ms, "
+                    f"p99 {_signed(report['ttft_over_direct_ms_p99'])} ms"
                 )
         if name == "latency":
             print(
@@ -779,6 +784,11 @@ def print_report(report: dict[str, Any]) -> None:
                 f"p99 {phase['proxy_ttft_ms_p99']} ms; relay p50 {phase['proxy_relay_ms_p50']} ms "
                 f"p99 {phase['proxy_relay_ms_p99']} ms"
             )
+
+
+def _signed(ms: float | None) -> str:
+    """A difference in ms, signed; "n/a" where a phase had no first tokens to time."""
+    return "n/a" if ms is None else f"{ms:+}"
 
 
 def main(argv: list[str] | None = None) -> int:

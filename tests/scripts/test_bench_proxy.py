@@ -52,6 +52,36 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     # no proxy: the client calls the stand-ins itself, every token read
     direct = phases["direct"]
     assert direct["completed"] == 20 and direct["tokens"] == 20 * 16
+    assert direct["requests_per_s_per_proxy_core"] is None  # no proxy: no per-core rate
     assert report["direct_ttft_ms_p99"] > 0
     over = latency["ttft_ms_p99"] - direct["ttft_ms_p99"]
     assert report["ttft_over_direct_ms_p99"] == pytest.approx(over, abs=1e-3)
+
+
+def test_a_phase_without_a_first_token_is_reported_not_a_crash(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every latency-phase request failed (a broken proxy): the report says n/a where a
+    difference needs first tokens, and prints; per-core rates only where a proxy ran."""
+    bench = _script("bench_proxy")
+    failed = bench.PhaseResult("latency", 1.0, 0.2, [bench.Outcome(False, error="HTTP 500")])
+    direct = bench.PhaseResult("direct", 1.0, 0.0, [bench.Outcome(True, 16, 0.0002)])
+    lat, base = failed.summary(), direct.summary()
+    assert lat["errors"] == {"HTTP 500": 1} and lat["requests_per_s_per_proxy_core"] == 0.0
+    assert base["requests_per_s_per_proxy_core"] is None
+    assert base["tokens_per_s_per_proxy_core"] is None
+    report = {
+        "what": "test", "proxies": 1, "proxy_cores": [0],
+        "phases": {
+            "latency": {**lat, **bench._ttft_ms(failed), "token_relay_ms_p50": None,
+                        "token_relay_ms_p99": None, "events_timed": 0,
+                        "proxy_ttft_ms_p50": None, "proxy_ttft_ms_p99": None,
+                        "proxy_relay_ms_p50": None, "proxy_relay_ms_p99": None},
+            "direct": {**base, **bench._ttft_ms(direct)},
+        },
+        "ttft_over_direct_ms_p50": None, "ttft_over_direct_ms_p99": None,
+    }  # fmt: skip
+    bench.print_report(report)
+    out = capsys.readouterr().out
+    assert "over no proxy: p50 n/a ms, p99 n/a ms" in out
+    assert "1 failed" in out
