@@ -31,7 +31,13 @@ from common.wire.node_messages import CancelResult
 from proxy.edge import EdgeConfig, EdgeGatedBackend, EdgeMetrics, EdgeQueue
 from proxy.http.backend import TokenBackend
 from proxy.http.server import HealthCheck, ProxyConfig, build_app, make_runner
-from proxy.metrics import DisaggMetrics, InterStageMetrics, ProxyMetrics, metrics_handler
+from proxy.metrics import (
+    DisaggMetrics,
+    InterStageMetrics,
+    NodeConnectionMetrics,
+    ProxyMetrics,
+    metrics_handler,
+)
 from proxy.pool.admin import AdminRoutes
 from proxy.pool.budget import PreDecodeBudget, pipeline_limits, uncached_tokens
 from proxy.pool.client import NodeClient
@@ -113,6 +119,7 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
         hooks=MultiHooks(ProxyMetrics(metrics), TraceHooks(traces, metrics)),
         health_check=_health_check(registry, roles),
     )
+    NodeConnectionMetrics(metrics, lambda: client.connections_opened)
     app.router.add_get("/metrics", metrics_handler(metrics))
     traces.add_route(app)
     mover = None

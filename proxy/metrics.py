@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.http.backend import LOSS_CAUSES, BackendError
@@ -187,6 +188,23 @@ class DisaggMetrics:
         for role in ("decode", "both"):
             self.stalls.labels(role)
         self.retries.labels("prefill")
+
+
+class NodeConnectionMetrics:
+    """How many connections the proxy opened to nodes for its streamed calls: a count that
+    grows with the traffic means connections are dropped rather than reused."""
+
+    def __init__(self, registry: CollectorRegistry, opened: Callable[[], int]) -> None:
+        self._opened = opened
+        registry.register(self)  # a collector: collect() below
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "pdserve_proxy_node_connections_opened",
+            "Connections opened to nodes for prefill, decode and generate calls (each call "
+            "reuses an idle connection to its node when there is one).",
+            value=self._opened(),
+        )
 
 
 def metrics_handler(

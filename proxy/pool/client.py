@@ -156,6 +156,12 @@ class NodeClient:
             self._http = None
 
     @property
+    def connections_opened(self) -> int:
+        """Connections made for the first token's calls (prefill, decode and generate
+        streams); each call takes an idle one to its node when there is one."""
+        return self._http.opened if self._http is not None else 0
+
+    @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise RuntimeError("NodeClient.start() was not called")

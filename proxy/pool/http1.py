@@ -357,6 +357,7 @@ class Http1Client:
         self._all: set[_Connection] = set()
         self._closed = False
         self._tls: ssl.SSLContext | None = None
+        self.opened = 0  # connections made, over the client's life (each call reuses one if it can)
 
     async def post(self, base_url: str, path: str, body: bytes) -> Response:
         """POST `body` (JSON) to `base_url + path`: the answer, once its headers came."""
@@ -437,6 +438,7 @@ class Http1Client:
                 f"cannot connect to {origin.host}:{origin.port}: {e.strerror or e}"
             ) from None
         self._all.add(conn)
+        self.opened += 1
         return conn
 
     async def _answer(self, conn: _Connection) -> Response:
