@@ -171,12 +171,8 @@ async def _write_events(
             await resp.write(event)
             gen.events.relayed(time.monotonic() - gen.arrived)
         delta = await gen.next_text()
-    # The last event, the usage chunk, [DONE] and the body's end go out in one write.
-    tail = [] if event is None else [event]
-    if gen.prep.include_usage:
-        tail.append(fmt.stream_usage(gen.usage()))
-    tail.append(SSE_DONE)
-    await resp.write_eof(b"".join(tail))
+    usage = fmt.stream_usage(gen.usage()) if gen.prep.include_usage else None
+    await _end_body(resp, event, usage)
     if event is not None:
         gen.events.relayed(time.monotonic() - gen.arrived)
     gen.report_finished()
@@ -257,13 +253,9 @@ async def write_streams(
             if event is not None and left:
                 await resp.write(event)
                 events.relayed(time.monotonic() - gens[i].arrived)
-        # The last choice's last event, the usage chunk and [DONE] end the body in one write.
-        usage = total_usage(gens)
-        tail = [] if event is None else [event]
-        if gens[0].prep.include_usage:
-            tail.append(fmts[0].stream_usage(usage))
-        tail.append(SSE_DONE)
-        await resp.write_eof(b"".join(tail))
+        usage = total_usage(gens)  # the last choice's last event goes out with it
+        chunk = fmts[0].stream_usage(usage) if gens[0].prep.include_usage else None
+        await _end_body(resp, event, chunk)
         if event is not None:
             events.relayed(time.monotonic() - gens[i].arrived)
         events.finished(
@@ -281,6 +273,12 @@ async def write_streams(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _end_body(resp: web.StreamResponse, event: bytes | None, usage: bytes | None) -> None:
+    """The last event, the usage chunk (if asked for), [DONE] and the body's end, in one
+    write: one send here, one read at the client."""
+    await resp.write_eof(b"".join(part for part in (event, usage, SSE_DONE) if part is not None))
 
 
 async def _end_with(resp: web.StreamResponse, events: RequestEvents, error: ApiError) -> None:
