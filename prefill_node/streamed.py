@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from common.node.metrics import NodeMetrics
 from common.wire.messages import KVFirstToken, TransferRequest
@@ -39,7 +40,7 @@ class KVStreamer:
         agent: KVTransferAgent,
         metrics: NodeMetrics,
         refused: Callable[[HeldKV, str], None],
-        spawn: Callable[[Awaitable[None], str], object],
+        spawn: Callable[[Coroutine[Any, Any, None], str], object],
         last_delay_s: float = 0.0,
     ) -> None:
         """`spawn(coro, name)` starts a task the node owns; `last_delay_s` (fault injection,

@@ -15,9 +15,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -46,6 +46,8 @@ from common.wire.stage import Stage
 from kv_transfer.config import TransferConfig
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 NodeRole = Literal["prefill", "decode", "both"]
 MAX_BODY_BYTES = 8 * 2**20
@@ -173,7 +175,7 @@ class NodeServer:
         # Requests a role change's drain ended: their streams end with error_code
         # "role_change", so that the proxy continues them elsewhere.
         self.evicted: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -220,7 +222,7 @@ class NodeServer:
     async def stop_role(self) -> None:
         """Release role resources; blocks still held or reserved are freed here."""
 
-    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+    def spawn(self, coro: Coroutine[Any, Any, R], name: str) -> asyncio.Task[R]:
         """Start a task the role keeps a reference to and cancels when it retires."""
         task = asyncio.ensure_future(coro)
         task.set_name(name)

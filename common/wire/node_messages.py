@@ -217,11 +217,33 @@ class ResetPrefixCacheResult(Message):
     blocks: int = Field(ge=0)  # cached blocks forgotten
 
 
+MAX_KV_PEERS = 256
+
+
+@register
+class KVPeers(Message):
+    """Prefill nodes' KV side channels a decode node will take KV from: it connects to the
+    ones it does not know yet in the background, so that the first request from each one
+    does not wait for the handshake (the proxy sends them as it finds prefill nodes)."""
+
+    type: Literal["kv_peers"] = "kv_peers"
+    side_channels: list[str] = Field(max_length=MAX_KV_PEERS)
+
+
+@register
+class KVPeersResult(Message):
+    type: Literal["kv_peers_result"] = "kv_peers_result"
+    connecting: int = Field(ge=0)  # handshakes this call started
+    known: int = Field(ge=0)  # side channels already connected or connecting
+
+
 __all__ = [
     "CancelResult",
     "DecodeRequest",
     "GenerateRequest",
     "KVHandle",
+    "KVPeers",
+    "KVPeersResult",
     "LeaseExtend",
     "LeaseExtendResult",
     "MessageError",

@@ -42,6 +42,8 @@ from common.wire.auth import bearer
 from common.wire.messages import Cancel, Message, MessageError
 from common.wire.node_messages import (
     CancelResult,
+    KVPeers,
+    KVPeersResult,
     LeaseExtend,
     LeaseExtendResult,
     PrefillRequest,
@@ -70,6 +72,7 @@ GENERATE_PATH = "/internal/generate"
 CANCEL_PATH = "/internal/cancel"
 ROLE_PATH = "/internal/role"
 RESET_PREFIX_CACHE_PATH = "/internal/reset_prefix_cache"
+KV_PEERS_PATH = "/internal/kv_peers"
 JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_BODY = 64 * 1024
 MOVED_CODES = frozenset({"stale_epoch", "wrong_role"})  # 409: the node did not take it
@@ -240,6 +243,11 @@ class NodeClient:
     async def change_role(self, url: str, msg: RoleChange, timeout_s: float) -> RoleChangeResult:
         """Have the node drain and change role (it answers when done, or with an error)."""
         return await self._call(url, ROLE_PATH, msg, RoleChangeResult, self._total(timeout_s))
+
+    async def kv_peers(self, url: str, side_channels: list[str]) -> KVPeersResult:
+        """Have a decode node connect now to these prefill nodes' KV side channels."""
+        msg = KVPeers(side_channels=side_channels)
+        return await self._call(url, KV_PEERS_PATH, msg, KVPeersResult, self._control())
 
     async def reset_prefix_cache(self, url: str) -> ResetPrefixCacheResult:
         """Have the node forget the cached blocks no request holds."""

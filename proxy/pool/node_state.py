@@ -65,6 +65,12 @@ class PrefixCacheInfo(BaseModel):
     kv_events: str | None = None  # the node's KV-event PUB endpoint
 
 
+class KVTransferInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    side_channel: str = ""  # where decode nodes connect to take the node's KV
+
+
 class NodeState(BaseModel):
     """The fields of a node's `GET /state` that routing reads (the rest is kept raw)."""
 
@@ -83,6 +89,7 @@ class NodeState(BaseModel):
     epoch: int = 0  # role changes so far; work sent to the node carries it
     role_state: str = "serving"  # serving | draining | switching | stopping
     switchable: bool = False  # it can change between prefill and decode
+    kv_transfer: KVTransferInfo | None = None  # prefill and decode nodes
 
     @field_validator("model_fingerprint", mode="before")
     @classmethod
@@ -126,6 +133,10 @@ class Node:
     # The role this proxy is moving the node to (POST /admin/nodes/role, the planner): it
     # stays DRAINING, with no new work, until the move ends.
     moving_to: Role | None = None
+    # A decode node: the prefill nodes' KV side channels it was told to connect to
+    # (registry.py), at this incarnation and epoch.
+    kv_peers_told: set[str] = field(default_factory=set)
+    kv_peers_key: tuple[str, int] | None = None
 
     @property
     def healthy(self) -> bool:

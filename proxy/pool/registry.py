@@ -302,6 +302,31 @@ class NodeRegistry:
         if state.role != node.role.value and node.moving_to is None:
             self._moved(node, Role(state.role), f"it reports {state.role} at epoch {state.epoch}")
         self._apply(node, healthy, state)
+        await self._introduce(node)
+
+    async def _introduce(self, node: Node) -> None:
+        """Tell a decode node the side channels of the prefill nodes it was not told of yet,
+        so that it makes the KV-transfer handshake with each before that node's first
+        request to it, not inside it (~30 ms on the second token's path)."""
+        if node.role is not Role.DECODE or not node.healthy or node.state is None:
+            return
+        key = (node.state.engine_id, node.state.epoch)
+        if node.kv_peers_key != key:  # restarted or changed role: it knows nobody
+            node.kv_peers_key, node.kv_peers_told = key, set()
+        channels = {
+            p.state.kv_transfer.side_channel
+            for p in self.healthy(Role.PREFILL)
+            if p.state is not None and p.state.kv_transfer is not None
+        }
+        new = sorted(channels - node.kv_peers_told - {""})
+        if not new:
+            return
+        try:
+            await self.client.kv_peers(node.url, new)
+        except (NodeUnreachable, BackendError) as e:  # the next poll tries again
+            log.info("could not tell %s its prefill peers: %s", node.url, e)
+            return
+        node.kv_peers_told.update(new)
 
     # -- checks and transitions --------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import re
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -887,3 +888,42 @@ def test_every_kv_backend_serves_equal_to_offline(
         cluster.wait_baseline()
     finally:
         cluster.close()
+
+
+def test_decode_nodes_connect_to_every_prefill_node_before_any_request(
+    tiny_model_dir: Path,
+) -> None:
+    """The proxy tells each decode node the prefill nodes' KV side channels as it polls
+    them, and the decode node makes the KV-transfer handshake with each at once: the first
+    request between a pair does not wait for it (~30 ms over UCX here). Before, a decode
+    node knew no prefill node until a request from it arrived."""
+    with start_cluster(tiny_model_dir, (2, 2, 0)) as cluster:
+        prefill = [n for n in cluster.nodes() if n.name.startswith("prefill")]
+        decode = [n for n in cluster.nodes() if n.name.startswith("decode")]
+        channels = sorted(p.state()["kv_transfer"]["side_channel"] for p in prefill)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            peers = [d.state()["kv_transfer"]["peers"] for d in decode]
+            if peers == [2, 2]:
+                break
+            time.sleep(0.1)
+        assert peers == [2, 2], peers  # no request was sent
+        for p in prefill:
+            assert p.state()["kv_transfer"]["peers"] == 2
+        # Told again (the same side channels, twice in one call): nothing new to connect.
+        url = decode[0].url + "/internal/kv_peers"
+        body = {"type": "kv_peers", "side_channels": channels + channels[:1]}
+        answer = http_json(url, body)
+        assert (answer["type"], answer["connecting"], answer["known"]) == ("kv_peers_result", 0, 2)
+        # One that answers no handshake: the call answers at once, the node stays healthy,
+        # and it keeps its two peers.
+        body = {"type": "kv_peers", "side_channels": ["tcp://127.0.0.1:9"]}
+        assert http_json(url, body)["connecting"] == 1
+        with pytest.raises(urllib.error.HTTPError) as e:
+            http_json(url, {"type": "kv_peers", "side_channels": ["x"] * 257})
+        assert e.value.code == 400
+        assert decode[0].state()["kv_transfer"]["peers"] == 2
+        client = _client(cluster)
+        common = {"model": _model(client), "max_tokens": 4, "extra_body": {"ignore_eos": True}}
+        assert client.completions.create(prompt="one more", **common).choices[0].text
+        cluster.wait_baseline()

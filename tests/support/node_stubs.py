@@ -25,6 +25,8 @@ from common.wire.node_messages import (
     DecodeRequest,
     GenerateRequest,
     KVHandle,
+    KVPeers,
+    KVPeersResult,
     LeaseExtend,
     LeaseExtendResult,
     PrefillAccepted,
@@ -85,6 +87,8 @@ class StubNode:
         self.step_time_max_s: float | None = None  # reported in /state
         self.prefill_tokens_per_s: float | None = None  # reported in /state
         self.epoch = 0  # role changes (reported in /state, with role_state)
+        self.side_channel = ""  # reported in /state's kv_transfer ("": none)
+        self.kv_peers_status = 200  # POST /internal/kv_peers answers this
         self.role_state = "serving"
         # hang(): like SIGSTOP, connections are accepted but nothing answers or streams
         self._running = asyncio.Event()
@@ -121,6 +125,7 @@ class StubNode:
                 web.post("/internal/decode", self.decode),
                 web.post("/internal/generate", self.generate),
                 web.post("/internal/cancel", self.cancel),
+                web.post("/internal/kv_peers", self.kv_peers),
             ]
         )
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
@@ -185,6 +190,11 @@ class StubNode:
                 "epoch": self.epoch,
                 "role_state": self.role_state,
                 "switchable": self.role != "both",
+                **(
+                    {"kv_transfer": {"side_channel": self.side_channel}}
+                    if self.side_channel
+                    else {}
+                ),
             }
         )
 
@@ -277,6 +287,12 @@ class StubNode:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         msg = await self._read(request, GenerateRequest)
         return await self._stream(request, msg.request_id, [self.first_token, *self.tokens])
+
+    async def kv_peers(self, request: web.Request) -> web.Response:
+        msg = await self._read(request, KVPeers)
+        if self.kv_peers_status != 200:
+            return web.json_response({"error": {"message": "no"}}, status=self.kv_peers_status)
+        return _json(KVPeersResult(connecting=len(msg.side_channels), known=0))
 
     async def cancel(self, request: web.Request) -> web.Response:
         msg = await self._read(request, Cancel)

@@ -265,3 +265,42 @@ def test_a_node_that_changed_role_moves_to_its_new_pool_and_drains_meanwhile() -
             assert wrong.status is NodeStatus.REFUSED
 
     run(body())
+
+
+def test_decode_nodes_are_told_each_prefill_nodes_side_channel_once_per_incarnation() -> None:
+    """So that a decode node makes the KV handshake before a pair's first request: every
+    decode node is told every healthy prefill node's side channel, each once, again after
+    it restarts (it knows nobody then), and again on the next poll when a call failed."""
+
+    def told(node: StubNode) -> list[list[str]]:
+        return [msg.side_channels for path, msg in node.calls if path == "/internal/kv_peers"]
+
+    async def body() -> None:
+        p0, p1 = StubNode("prefill"), StubNode("prefill")
+        p0.side_channel, p1.side_channel = "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"
+        d0, d1 = StubNode("decode"), StubNode("decode")
+        d1.kv_peers_status = 500
+        async with stubs(p0, p1, d0, d1), Registry() as registry:
+            registry.add(p0.url, "prefill")
+            entry0 = registry.add(d0.url, "decode")
+            entry1 = registry.add(d1.url, "decode")
+            await eventually(lambda: told(d0) == [[p0.side_channel]], what="told p0")
+            registry.add(p1.url, "prefill")
+            await eventually(lambda: len(told(d0)) == 2, what="told p1")
+            assert told(d0)[1] == [p1.side_channel]  # only the new one
+            assert entry0.kv_peers_told == {p0.side_channel, p1.side_channel}
+            # A failed call is not counted as told: the next poll tries again.
+            await eventually(lambda: len(told(d1)) >= 2, what="retried")
+            assert entry1.kv_peers_told == set()
+            d1.kv_peers_status = 200
+            await eventually(lambda: len(entry1.kv_peers_told) == 2, what="told d1")
+            # A restart (a new engine id) forgets its peers: told both again.
+            port = d0.port
+            await d0.stop()
+            d0.calls.clear()
+            await d0.start(port)
+            await eventually(lambda: bool(told(d0)), what="told after restart")
+            assert told(d0) == [sorted([p0.side_channel, p1.side_channel])]
+            assert told(p0) == [] and told(p1) == []
+
+    run(body())
