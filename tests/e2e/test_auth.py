@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -55,6 +56,13 @@ def assert_refused(url: str, headers: dict[str, str] | None = None, body: bytes 
 def test_internal_endpoints_need_the_cluster_token(cluster: Cluster) -> None:
     assert cluster.proxy is not None
     prefill, decode = cluster.nodes()
+    # The proxy told the decode node the prefill node's side channel with the token, and
+    # the two made their handshake with it (the module's first test: no request yet).
+    deadline = time.monotonic() + 30
+    while decode.state()["kv_transfer"]["peers"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decode.state()["kv_transfer"]["peers"] == 1
+    assert_refused(f"{decode.url}/internal/kv_peers", None, b"{}")
     wrong = bearer("not-the-token-at-all-0000")
     for url in (prefill.url, decode.url):
         for headers in (None, wrong, {"Authorization": TOKEN}):  # missing, wrong, no scheme
