@@ -13,7 +13,6 @@ is `NodeUnreachable` (maybe received): the node is gone, another may take the re
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -71,22 +70,20 @@ class PrefillStream:
         if not line.strip():
             raise NodeUnreachable(self.url, "ended the stream early", maybe_received=True)
         try:
-            if _type_of(line) == TokenDelta.TYPE:
-                error = from_json(line, TokenDelta)
-                if error.error_code == "cancelled":
-                    raise BackendError.refused(f"prefill node {self.url}: {error.error}")
-                raise BackendError.failed(f"prefill node {self.url} failed: {error.error}")
             msg = from_json(line, cls)
-        except MessageError as e:
-            raise BackendError.failed(f"prefill node {self.url} sent a bad line: {e}") from None
+        except MessageError as e:  # (parsed once more only when it is not the record expected)
+            raise self._not(line, e) from None
         if getattr(msg, "request_id", None) != self.request_id:
             raise BackendError.failed(f"prefill node {self.url} answered another request")
         return msg
 
-
-def _type_of(line: bytes) -> object:
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        return None
-    return obj.get("type") if isinstance(obj, dict) else None
+    def _not(self, line: bytes, bad: MessageError) -> BackendError:
+        """What a line that is not the record expected says: the node's error line
+        (a TokenDelta with error), or nothing we understand."""
+        try:
+            error = from_json(line, TokenDelta)
+        except MessageError:
+            return BackendError.failed(f"prefill node {self.url} sent a bad line: {bad}")
+        if error.error_code == "cancelled":
+            return BackendError.refused(f"prefill node {self.url}: {error.error}")
+        return BackendError.failed(f"prefill node {self.url} failed: {error.error}")

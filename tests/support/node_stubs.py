@@ -75,6 +75,7 @@ class StubNode:
         self.first_token = 7
         self.prefill_delay = 0.0
         self.finish_at_first: str | None = None
+        self.streamed_result_line: bytes | None = None  # sent instead of the PrefillResult
         self.refuse_prefill = False  # answer 400, as a node does for a request it cannot take
         self.extend_missing: set[str] = set()
         # decode / generate
@@ -227,8 +228,8 @@ class StubNode:
         return _json(result)
 
     async def prefill_streamed(self, request: web.Request) -> web.StreamResponse:
-        """The handle at once, the result after `prefill_delay` (or a cancelled line once
-        `release(request_id)` is called while `hold_streams`)."""
+        """The handle at once, the result after `prefill_delay` (`streamed_result_line`
+        instead, when set: a node's error line, or garbage)."""
         msg = await self._read(request, PrefillRequest)
         resp = web.StreamResponse(headers=NDJSON)
         await resp.prepare(request)
@@ -244,7 +245,8 @@ class StubNode:
             request_id=msg.request_id, first_token_id=self.first_token,
             finish_reason=self.finish_at_first, kv=None if finished else kv,
         )  # fmt: skip
-        await resp.write(to_json(result) + b"\n")
+        line = self.streamed_result_line or to_json(result) + b"\n"
+        await resp.write(line)
         await resp.write_eof()
         return resp
 

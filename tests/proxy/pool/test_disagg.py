@@ -355,3 +355,41 @@ def test_closing_a_streamed_prefill_cancels_on_both_nodes() -> None:
             assert stack.queue.depth == 0
 
     run(body())
+
+
+@pytest.mark.parametrize(
+    ("line", "status", "says"),
+    [
+        (b'{"type": "token_delta", "request_id": "req-1", "token_ids": [], '
+         b'"error": "cancelled by the client", "error_code": "cancelled"}',
+         400, "cancelled by the client"),
+        (b'{"type": "token_delta", "request_id": "req-1", "token_ids": [], '
+         b'"error": "engine died", "error_code": "engine_error"}',
+         502, "failed: engine died"),
+        (b'{"type": "prefill_result", "request_id": "req-1"}', 502, "sent a bad line"),
+        (b"not json at all", 502, "sent a bad line"),
+        (b'{"type": "prefill_result", "request_id": "other", "first_token_id": 7, '
+         b'"finish_reason": "stop", "kv": null}',
+         502, "answered another request"),
+    ],
+)  # fmt: skip
+def test_a_streamed_prefill_result_line_that_is_not_a_result_says_why(
+    line: bytes, status: int, says: str
+) -> None:
+    async def body() -> None:
+        prefill = StubNode("prefill")
+        prefill.streamed_result_line = line + b"\n"
+        async with stubs(prefill), proxy_stack((prefill,), ()) as stack:
+            req = PrefillRequest(
+                request_id="req-1", prompt_token_ids=[1, 2, 3], sampling=SAMPLING, lease_s=5.0
+            )
+            stream = await stack.client.prefill_streamed(prefill.url, req)
+            try:
+                assert (await stream.accepted()).request_id == "req-1"
+                with pytest.raises(BackendError) as caught:
+                    await stream.result()
+            finally:
+                stream.close()
+            assert caught.value.status == status and says in caught.value.message
+
+    run(body())
