@@ -249,7 +249,9 @@ class KVTransferAgent:
             transfer_key=transfer_key,
             skip_blocks=skip_blocks,
         )
-        self._submit(ExpectCmd(IncomingTransfer(request_id, peer_id, dst), request))
+        cmd = ExpectCmd(IncomingTransfer(request_id, peer_id, dst), request)
+        if not self._loop.try_run(cmd, wake=True):
+            self._submit(cmd)
 
     def abort(self, request_id: str) -> bool:
         """Stop the transfer of request_id (either side). False if none is live.
@@ -267,9 +269,12 @@ class KVTransferAgent:
 
     def send(self, peer_id: str, message: Message) -> None:
         """Send a typed message to a connected peer over the side channel."""
+        self._check_open()
         if peer_id not in self._registry.peers:
             raise TransferRejected(f"unknown peer {peer_id!r}")
-        self._submit(SendCmd(peer_id, message))
+        cmd = SendCmd(peer_id, message)
+        if not self._loop.try_run(cmd, wake=False):
+            self._submit(cmd)
 
     # -- events ------------------------------------------------------------------------------
 

@@ -1,4 +1,6 @@
-"""The progress thread: the only thread that touches sockets, the backend and transfer records.
+"""The progress thread: it touches the sockets, the backend and the transfer records (an
+owner's thread does too, under the state lock, only while this thread is idle: small writes,
+sends and transfer requests made inline).
 
 One iteration:  poll(side channel, backend sockets, command wakeup)
                 -> run queued owner commands
@@ -145,6 +147,32 @@ class ProgressLoop:
         """Any thread: queue a command and wake the loop."""
         self.commands.append(cmd)
         self.wake.set()
+
+    def try_run(self, cmd: ExpectCmd | SendCmd, wake: bool) -> bool:
+        """Owner's thread: run a command that records state and queues side-channel sends
+        now, if the progress thread is idle and nothing is queued ahead of it, and send what
+        it queued: the message leaves without waiting for that thread to wake (a cross-thread
+        hop on the KV's path: the TransferRequest, the first token). False leaves it to the
+        command queue. `wake`: the progress thread must still look (an expected transfer
+        changes how often it polls)."""
+        if not self.state_lock.acquire(blocking=False):
+            return False  # the progress thread is mid-step: queue it rather than wait
+        try:
+            if self.stopping or self.commands:
+                return False
+            try:
+                self._run_cmd[type(cmd)](cmd)
+                self.outbox.flush()
+            except Exception:  # as in a step: logged and counted, the owner goes on
+                self.step_errors += 1
+                log.exception("inline %s failed", type(cmd).__name__)
+            self._hot_until = time.monotonic() + _HOT_S
+        finally:
+            self.state_lock.release()
+            self.publish()
+        if wake:
+            self.wake.set()
+        return True
 
     def try_inline(self, xfer: OutgoingTransfer) -> bool:
         """Owner's thread: post a small write now if the progress thread is idle and

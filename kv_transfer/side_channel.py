@@ -41,9 +41,11 @@ class Inbound:
 
 
 class Outbox:
-    """Sends requested by the transfer book and the backend, flushed by the progress
-    thread after each step. Code that runs under the state lock on an owner's thread
-    (an inline write) thus never touches a socket, and per-peer order is issue order."""
+    """Sends requested by the transfer book and the backend, flushed after each step by
+    the progress thread, or by an owner's thread that ran a command or a small write
+    inline (ProgressLoop.try_run, try_inline): always under the state lock, and outbox
+    sockets are never polled, so only one thread at a time touches one. Per-peer order is
+    issue order."""
 
     def __init__(self, side: SideChannel) -> None:
         self._side = side

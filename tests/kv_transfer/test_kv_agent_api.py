@@ -23,6 +23,7 @@ from common.wire.messages import (
     HandshakeReply,
     Hello,
     KVAborted,
+    KVFirstToken,
     KVRegion,
     Message,
     PeerInfo,
@@ -43,6 +44,7 @@ from kv_transfer import (
     TransferRejected,
 )
 from kv_transfer.auth import info_digest, mac
+from kv_transfer.progress import SendCmd
 
 # Push-mode writes (write() without the receiver's request_transfer) are the API under test
 # here; the default refuses them (see test_an_unsolicited_write_is_refused_by_default).
@@ -507,3 +509,27 @@ def test_the_progress_thread_sleeps_long_unless_a_write_is_expected() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_a_send_leaves_from_the_owners_thread_while_the_progress_thread_waits(
+    pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The TransferRequest and the first token go out in the owner's call when the progress
+    thread is idle (one cross-thread hop less on the KV's path), never ahead of a queued
+    command, and never while that thread is mid-step (it holds the state lock)."""
+    p, d = pair
+    loop = d._loop
+    monkeypatch.setattr(loop, "_run_commands", lambda: False)  # it runs no command any more
+    first = SendCmd(p.agent_name, KVFirstToken(request_id="r1", token_id=3))
+    with loop.state_lock:
+        assert not loop.try_run(first, wake=False)  # mid-step: left to the queue
+    while not loop.try_run(first, wake=False):  # False only while a step holds the lock
+        time.sleep(0.001)
+    msg = next(e for e in until(p, MessageReceived) if isinstance(e, MessageReceived))
+    assert msg.message == KVFirstToken(request_id="r1", token_id=3)
+
+    loop.commands.append(SendCmd(p.agent_name, KVFirstToken(request_id="r2", token_id=4)))
+    behind = SendCmd(p.agent_name, KVFirstToken(request_id="r3", token_id=5))
+    assert not loop.try_run(behind, wake=False)  # a queued command goes first
+    assert not p.wait_events(0.3)  # and neither was sent by anyone
+    loop.commands.clear()
