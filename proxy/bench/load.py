@@ -182,10 +182,13 @@ async def run_load(
 
 
 async def _acquire_before(slots: asyncio.Semaphore, deadline: float) -> bool:
-    """Take a concurrency slot, giving up at `deadline`."""
-    timeout = None if math.isinf(deadline) else max(0.0, deadline - time.perf_counter())
+    """Take a concurrency slot, giving up at `deadline` (none: a slot comes back when a
+    request ends, and every request ends within its own timeouts)."""
+    if math.isinf(deadline):
+        await slots.acquire()
+        return True
     try:
-        await asyncio.wait_for(slots.acquire(), timeout)
+        await asyncio.wait_for(slots.acquire(), max(0.0, deadline - time.perf_counter()))
     except asyncio.TimeoutError:
         return False
     return True
