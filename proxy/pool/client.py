@@ -1,7 +1,8 @@
 """HTTP client of the nodes' internal API (`common.wire.node_messages`): one aiohttp session
 for control calls, `http1`'s lean client for the calls on every first token's path (the
 prefill, streamed or in one call, and the decode and generate streams), a timeout per
-call kind, NDJSON token streams, and error bodies turned into `BackendError`s.
+call kind, NDJSON token streams, and error bodies turned into `BackendError`s
+(`node_errors`).
 
 Error mapping (what a caller may do next):
 - `NodeUnreachable` (503): the node never took the request (connection refused or reset
@@ -30,7 +31,6 @@ A hung node breaks no connection, so two things end the waits on it:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -56,9 +56,10 @@ from common.wire.node_messages import (
     to_json,
 )
 from proxy.http.backend import BackendError, NodeLost
-from proxy.http.errors import INVALID_REQUEST, SERVER_ERROR
 from proxy.pool import http1
+from proxy.pool.node_errors import DecodeFull as DecodeFull  # (re-exported)
 from proxy.pool.node_errors import NodeUnreachable as NodeUnreachable  # (re-exported)
+from proxy.pool.node_errors import describe, status_error, transport_error
 from proxy.pool.node_stream import NodeStream as NodeStream  # (re-exported)
 from proxy.pool.prefill_stream import PrefillStream
 
@@ -75,9 +76,6 @@ RESET_PREFIX_CACHE_PATH = "/internal/reset_prefix_cache"
 KV_PEERS_PATH = "/internal/kv_peers"
 JSON_HEADERS = {"Content-Type": "application/json"}
 MAX_ERROR_BODY = 64 * 1024
-MOVED_CODES = frozenset({"stale_epoch", "wrong_role"})  # 409: the node did not take it
-# POST /internal/role refusals, passed on as the node gave them (status and code)
-ROLE_REFUSALS = frozenset({"fixed_role", "same_role", "role_change_in_progress"})
 R = TypeVar("R", bound=Message)
 T = TypeVar("T")
 
@@ -101,14 +99,6 @@ class NodeTimeouts:
                 raise ValueError(f"NodeTimeouts.{name} must be positive, got {value}")
         if self.stall_s < 0:
             raise ValueError(f"NodeTimeouts.stall_s must be >= 0, got {self.stall_s}")
-
-
-class DecodeFull(Exception):
-    """A decode node has no room for the request now (503 "decode_full")."""
-
-    def __init__(self, url: str, message: str) -> None:
-        super().__init__(f"{url}: {message}")
-        self.url = url
 
 
 class NodeClient:
@@ -181,7 +171,7 @@ class NodeClient:
                     return resp.status == 200
                 raise NodeUnreachable(url, f"GET /health answered {resp.status}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise NodeUnreachable(url, _describe(e)) from None
+            raise NodeUnreachable(url, describe(e)) from None
 
     async def state(self, url: str) -> dict[str, Any]:
         return await self._get_json(url, "/state")
@@ -197,7 +187,7 @@ class NodeClient:
                     raise NodeUnreachable(url, f"GET {path} answered {resp.status}")
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            raise NodeUnreachable(url, _describe(e)) from None
+            raise NodeUnreachable(url, describe(e)) from None
         if not isinstance(data, dict):
             raise NodeUnreachable(url, f"GET {path} did not answer a JSON object")
         return data
@@ -411,7 +401,7 @@ class NodeClient:
                 f"node {url} did not answer {path} within {timeout.total:g} s"
             ) from None
         except aiohttp.ClientError as e:
-            raise _transport_error(url, path, e) from None
+            raise transport_error(url, path, e) from None
         try:
             return from_json(body, result)
         except MessageError as e:
@@ -424,8 +414,7 @@ class NodeClient:
                 raw = await resp.content.read(MAX_ERROR_BODY)
         except (aiohttp.ClientError, http1.HttpError, asyncio.TimeoutError):
             raw = b""
-        message, param, code = _error_fields(raw, resp.status)
-        return _status_error(url, resp, message, param, code)
+        return status_error(url, resp.status, resp.headers.get("Retry-After"), raw)
 
     async def _cancel_quietly(self, url: str, request_id: str, choice: int | None) -> None:
         deadline = asyncio.get_running_loop().time() + self.timeouts.cancel_retry_s
@@ -472,57 +461,3 @@ class _Guard:
             return  # called from inside the call itself: it is failing on its own already
         self.tripped = True
         self.task.cancel()
-
-
-def _error_fields(raw: bytes, status: int) -> tuple[str, str | None, str | None]:
-    try:
-        err = json.loads(raw)["error"]
-        return str(err["message"]), err.get("param"), err.get("code")
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {status}", None, None
-
-
-def _status_error(
-    url: str,
-    resp: aiohttp.ClientResponse | http1.Response,
-    message: str,
-    param: str | None,
-    code: str | None,
-) -> Exception:
-    status = resp.status
-    if status == 503 and code == "decode_full":
-        return DecodeFull(url, message)
-    if (status, code) == (503, "role_change_failed") or (status == 409 and code in ROLE_REFUSALS):
-        error_type = SERVER_ERROR if status >= 500 else INVALID_REQUEST
-        return BackendError(status, f"node {url}: {message}", type=error_type, code=code)
-    if status in (429, 503) and code == "overloaded":
-        retry = _retry_after(resp.headers.get("Retry-After"))
-        return BackendError.overloaded(f"node {url} is overloaded: {message}", retry)
-    if status == 503:
-        return NodeUnreachable(url, message)
-    if status == 409 and code in MOVED_CODES:
-        return NodeUnreachable(url, f"{code}: {message}")
-    if 400 <= status < 500:
-        return BackendError.refused(message, param=param)
-    return BackendError.failed(f"node {url} failed: {message}")
-
-
-def _retry_after(value: str | None) -> float:
-    try:
-        return max(1.0, float(value)) if value else 1.0
-    except ValueError:
-        return 1.0
-
-
-def _transport_error(url: str, path: str, e: aiohttp.ClientError) -> BackendError:
-    if isinstance(e, aiohttp.ClientConnectorError):  # nothing was sent
-        return NodeUnreachable(url, _describe(e))
-    if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):  # no answer
-        return NodeUnreachable(url, _describe(e), maybe_received=True)
-    return BackendError.failed(f"node {url} broke off {path}: {_describe(e)}")
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, asyncio.TimeoutError):
-        return "timed out"
-    return str(e) or type(e).__name__
