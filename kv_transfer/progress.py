@@ -20,8 +20,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,48 +149,59 @@ class ProgressLoop:
         self.commands.append(cmd)
         self.wake.set()
 
+    @contextmanager
+    def _inline(self) -> Iterator[bool]:
+        """Owner's thread: True while it holds the state lock with the progress thread idle
+        and no command queued ahead (False: leave the work to the command queue). On the way
+        out it sends what the work queued, releases the lock and publishes the events."""
+        if not self.state_lock.acquire(blocking=False):
+            yield False  # the progress thread is mid-step: queue it rather than wait
+            return
+        try:
+            idle = not (self.stopping or self.commands)
+            yield idle
+            if idle:
+                try:
+                    self.outbox.flush()
+                except Exception:  # as in a step: logged and counted, the owner goes on
+                    self.step_errors += 1
+                    log.exception("inline flush failed")
+        finally:
+            self.state_lock.release()
+            self.publish()
+
     def try_run(self, cmd: ExpectCmd | SendCmd, wake: bool) -> bool:
         """Owner's thread: run a command that records state and queues side-channel sends
-        now, if the progress thread is idle and nothing is queued ahead of it, and send what
-        it queued: the message leaves without waiting for that thread to wake (a cross-thread
-        hop on the KV's path: the TransferRequest, the first token). False leaves it to the
-        command queue. `wake`: the progress thread must still look (an expected transfer
-        changes how often it polls)."""
-        if not self.state_lock.acquire(blocking=False):
-            return False  # the progress thread is mid-step: queue it rather than wait
-        try:
-            if self.stopping or self.commands:
+        now (see `_inline`), so that its message leaves without waiting for the progress
+        thread to wake (a cross-thread hop on the KV's path: the TransferRequest, the first
+        token). False leaves it to the command queue. `wake`: the progress thread must
+        still look (an expected transfer changes how often it polls)."""
+        with self._inline() as idle:
+            if not idle:
                 return False
             try:
                 self._run_cmd[type(cmd)](cmd)
-                self.outbox.flush()
             except Exception:  # as in a step: logged and counted, the owner goes on
                 self.step_errors += 1
                 log.exception("inline %s failed", type(cmd).__name__)
             self._hot_until = time.monotonic() + _HOT_S
-        finally:
-            self.state_lock.release()
-            self.publish()
         if wake:
             self.wake.set()
         return True
 
     def try_inline(self, xfer: OutgoingTransfer) -> bool:
-        """Owner's thread: post a small write now if the progress thread is idle and
-        nothing is queued ahead of it; False leaves it to the command queue."""
-        if not self.backend.posts_inline or not self.state_lock.acquire(blocking=False):
-            return False  # the progress thread is mid-step: queue it rather than wait
-        try:
-            ready = not (self.stopping or self.commands) and xfer.peer_id in self.conns.peers
-            if not (ready and self.book.nothing_queued_for(xfer.peer_id)):
+        """Owner's thread: post a small write now (see `_inline`; the receiver's KVDone
+        leaves with it, without waking the progress thread); False leaves it to the
+        command queue."""
+        if not self.backend.posts_inline:
+            return False
+        with self._inline() as idle:
+            peer_ready = xfer.peer_id in self.conns.peers
+            if not (idle and peer_ready and self.book.nothing_queued_for(xfer.peer_id)):
                 return False
             self.book.submit(xfer, peer_alive=True)
             self.book.pump()
-            self.outbox.flush()  # the receiver's KVDone, without waking the progress thread
             in_flight = self.backend.busy()
-        finally:
-            self.state_lock.release()
-            self.publish()
         if in_flight:
             self.wake.set()  # progress() must poll it to completion
         return True
