@@ -8,14 +8,17 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 from proxy.http.backend import LOSS_CAUSES, BackendError
 from proxy.http.errors import ApiError
@@ -27,6 +30,40 @@ LATENCY_BUCKETS = (
 # 100 us to 5 s in steps of 1.25x (as the nodes' step times: tails compared side by side).
 ITL_BUCKETS = tuple(round(1e-4 * 1.25**k, 7) for k in range(50))
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class CountedHistogram:
+    """A Prometheus histogram whose `observe(value, count)` records `count` observations of
+    `value` at the cost of one: a chunk of k tokens is k inter-token gaps, and observing them
+    one by one with prometheus_client (a bucket scan and a lock each, ~1.2 us) was ~12% of a
+    relayed token's cost at full load. Exposed as `prometheus_client.Histogram` would be
+    (`_bucket`, `_count`, `_sum`); observed and collected on the event loop's thread."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._bounds = [float(b) for b in sorted(buckets)]
+        if not self._bounds or self._bounds[-1] != math.inf:
+            self._bounds.append(math.inf)
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self._counts[bisect_left(self._bounds, value)] += count  # bucket i: value <= bound i
+        self._sum += value * count
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, n in zip(self._bounds, self._counts, strict=True):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(
+            self._name, self._documentation, buckets=buckets, sum_value=self._sum
+        )
 
 
 @dataclass
@@ -57,11 +94,11 @@ class ProxyMetrics(ProxyHooks):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self.itl = Histogram(
+        self.itl = CountedHistogram(
             "pdserve_proxy_itl_seconds",
-            "Inter-token latency.",
-            buckets=ITL_BUCKETS,
-            registry=registry,
+            "Inter-token latency (a chunk of k tokens: k gaps, each its arrival's gap / k).",
+            ITL_BUCKETS,
+            registry,
         )
         self.relay = Histogram(
             "pdserve_proxy_relay_seconds",
@@ -90,9 +127,7 @@ class ProxyMetrics(ProxyHooks):
         if timing.last_token is None:
             self.ttft.observe(now - timing.received)
         else:
-            gap = (now - timing.last_token) / num_tokens
-            for _ in range(num_tokens):
-                self.itl.observe(gap)
+            self.itl.observe((now - timing.last_token) / num_tokens, num_tokens)
         timing.last_token = now
 
     def on_relayed(self, request_id: str, seconds: float) -> None:
