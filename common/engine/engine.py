@@ -42,7 +42,7 @@ from common.engine.runner import ModelRunner
 from common.engine.scheduler import OutputKind, ScheduledBatch, Scheduler, StepOutput
 from common.engine.sequence import FinishReason, Sequence
 from common.engine.snapshot import snapshot
-from common.engine.timing import StepTiming, prefill_rate
+from common.engine.timing import SlowestRecent, StepTiming, prefill_rate
 from common.model.config import ModelConfig
 from common.model.weights import load_model
 from common.text.tokenizer import Tokenizer
@@ -51,6 +51,8 @@ from common.wire.stage import Stage
 from kernels.dispatch import kernels_for
 
 log = logging.getLogger(__name__)
+
+STEP_MEMORY_S = 600.0  # how long the slowest step is remembered (step_time_max_s)
 
 
 class LLMEngine:
@@ -107,7 +109,7 @@ class LLMEngine:
         self._snapshot: dict[str, object] = {}
         self.integrity_violations = 0  # found by check_integrity_when_idle
         self.prefill_tokens_per_s: float | None = None  # measured (timing.prefill_rate)
-        self._step_times: deque[float] = deque(maxlen=64)  # the last steps' forward seconds
+        self._slowest_step = SlowestRecent(STEP_MEMORY_S)  # forward seconds
         # Called on the engine thread after every step that ran a batch (node metrics).
         self.on_step: Callable[[StepTiming], None] | None = None
         # Structured output's compiler; the tokenizer loads with it, on first use.
@@ -344,7 +346,7 @@ class LLMEngine:
         with self._books:
             if sampled is not None:
                 seconds = t3 - t2
-                self._step_times.append(seconds)
+                self._slowest_step.add(seconds)
                 self.prefill_tokens_per_s = prefill_rate(
                     self.prefill_tokens_per_s, batch.num_tokens - batch.num_decode, seconds
                 )
@@ -497,6 +499,18 @@ class LLMEngine:
         """Blocks by state, requests by stage: the snapshot of the last step (any thread)."""
         return self._snapshot
 
+    def step_time_max_s(self) -> float | None:
+        """How long a step may take here: the slowest of the last STEP_MEMORY_S seconds, or,
+        if longer, a full prefill chunk (max_num_batched_tokens) at the measured prefill
+        rate, which a node that has prefilled can take on the next long prompt even after
+        minutes of decode steps only. A proxy waits well beyond it (4x) before it calls a
+        silent stream stalled."""
+        slowest = self._slowest_step.max()
+        if self.prefill_tokens_per_s:
+            chunk = self.config.max_num_batched_tokens / self.prefill_tokens_per_s
+            slowest = chunk if slowest is None else max(slowest, chunk)
+        return slowest
+
     def _publish(self) -> None:
         self._snapshot = snapshot(
             self.allocator,
@@ -504,9 +518,7 @@ class LLMEngine:
             self._records.values(),
             {
                 "prefill_tokens_per_s": self.prefill_tokens_per_s,
-                # The slowest of the last steps: a proxy waits well beyond it before it
-                # calls a silent stream stalled.
-                "step_time_max_s": max(self._step_times, default=None),
+                "step_time_max_s": self.step_time_max_s(),
                 "integrity_violations": self.integrity_violations,
             },
         )

@@ -5,6 +5,8 @@ output)."""
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.engine.scheduler import ScheduledBatch
@@ -61,3 +63,31 @@ def prefill_rate(old: float | None, prefill_tokens: int, seconds: float) -> floa
         return old
     rate = prefill_tokens / seconds
     return rate if old is None else 0.8 * old + 0.2 * rate
+
+
+class SlowestRecent:
+    """The slowest step of the last `window_s` seconds (a sliding-window maximum, amortized
+    O(1) a step): what a proxy waits well beyond before it calls a silent stream stalled.
+    The window is in seconds, not steps: a long prefill chunk must not drop out of it after
+    a burst of fast decode steps (64 of them, ~6 s, was the old window; the next long chunk
+    then outlasted the proxy's stall timeout and ended every stream it held up)."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._steps: deque[tuple[float, float]] = deque()  # (when, seconds), seconds falling
+
+    def add(self, seconds: float) -> None:
+        now = self._clock()
+        while self._steps and self._steps[-1][1] <= seconds:
+            self._steps.pop()  # never the maximum again: this one is as slow and newer
+        self._steps.append((now, seconds))
+        self._expire(now)
+
+    def max(self) -> float | None:
+        self._expire(self._clock())
+        return self._steps[0][1] if self._steps else None
+
+    def _expire(self, now: float) -> None:
+        while self._steps and self._steps[0][0] < now - self.window_s:
+            self._steps.popleft()
