@@ -326,6 +326,9 @@ class NodeServer:
             },
             "queued_prefill_tokens": st["queued_prefill_tokens"],
             "prefill_tokens_per_s": st["prefill_tokens_per_s"],
+            # The proxy's stall timeout is at least 4x this (until session 28 it was never
+            # sent, so every stream had the flat --stall-timeout-s).
+            "step_time_max_s": st["step_time_max_s"],
             "prefix_cache": {
                 **st["prefix_cache"],  # type: ignore[dict-item]
                 "block_size": cfg.block_size,
