@@ -42,7 +42,7 @@ from common.engine.runner import ModelRunner
 from common.engine.scheduler import OutputKind, ScheduledBatch, Scheduler, StepOutput
 from common.engine.sequence import FinishReason, Sequence
 from common.engine.snapshot import snapshot
-from common.engine.timing import SlowestRecent, StepTiming, prefill_rate
+from common.engine.timing import SlowestRecent, StepTiming, prefill_rate, step_time_bound
 from common.model.config import ModelConfig
 from common.model.weights import load_model
 from common.text.tokenizer import Tokenizer
@@ -499,18 +499,6 @@ class LLMEngine:
         """Blocks by state, requests by stage: the snapshot of the last step (any thread)."""
         return self._snapshot
 
-    def step_time_max_s(self) -> float | None:
-        """How long a step may take here: the slowest of the last STEP_MEMORY_S seconds, or,
-        if longer, a full prefill chunk (max_num_batched_tokens) at the measured prefill
-        rate, which a node that has prefilled can take on the next long prompt even after
-        minutes of decode steps only. A proxy waits well beyond it (4x) before it calls a
-        silent stream stalled."""
-        slowest = self._slowest_step.max()
-        if self.prefill_tokens_per_s:
-            chunk = self.config.max_num_batched_tokens / self.prefill_tokens_per_s
-            slowest = chunk if slowest is None else max(slowest, chunk)
-        return slowest
-
     def _publish(self) -> None:
         self._snapshot = snapshot(
             self.allocator,
@@ -518,7 +506,11 @@ class LLMEngine:
             self._records.values(),
             {
                 "prefill_tokens_per_s": self.prefill_tokens_per_s,
-                "step_time_max_s": self.step_time_max_s(),
+                "step_time_max_s": step_time_bound(
+                    self._slowest_step.max(),
+                    self.config.max_num_batched_tokens,
+                    self.prefill_tokens_per_s,
+                ),
                 "integrity_violations": self.integrity_violations,
             },
         )

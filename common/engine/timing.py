@@ -91,3 +91,16 @@ class SlowestRecent:
     def _expire(self, now: float) -> None:
         while self._steps and self._steps[0][0] < now - self.window_s:
             self._steps.popleft()
+
+
+def step_time_bound(
+    slowest: float | None, chunk_tokens: int, prefill_tokens_per_s: float | None
+) -> float | None:
+    """How long a step may take on a node (its `step_time_max_s`, which a proxy waits 4x
+    beyond before it calls a silent stream stalled): its slowest recent step, or, if longer,
+    a full prefill chunk of `chunk_tokens` at its measured prefill rate, which a node that
+    has prefilled can take on the next long prompt even after minutes of decode steps."""
+    if not prefill_tokens_per_s:
+        return slowest
+    chunk = chunk_tokens / prefill_tokens_per_s
+    return chunk if slowest is None else max(slowest, chunk)
