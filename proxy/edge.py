@@ -18,6 +18,10 @@ ahead would take to drain (1 s to 60 s; `retry_after_s` when unknown).
 
 A waiter that is cancelled (its client left) just leaves the queue; room freed by a request
 that leaves the pre-decode stage, or that ends, goes straight to the oldest waiter that fits.
+One exception to first come, first served: while the oldest waiter waits only for room on
+the prefill pool (the backlog horizon), a request whose prompt a decode node would prefill
+itself (`--disagg-mode auto`, `PreDecodeBudget.goes_local`) goes past it, since it takes none
+of that room.
 
 `EdgeGatedBackend` puts a `TokenBackend` behind the edge: the slot is taken at the stream's
 first `__anext__` and returned when the stream ends or is closed.
@@ -26,6 +30,7 @@ first `__anext__` and returned when the stream ends or is closed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,6 +46,9 @@ from proxy.pool.budget import Claim, PreDecodeBudget
 from proxy.trace import TraceStore
 
 REJECT_REASONS = ("full", "deadline", "expired")
+# Waiters after the head that each pump checks for passing it (each check estimates a
+# placement: bounded, so that an overloaded edge's pumps stay cheap).
+BYPASS_SCAN = 16
 RETRY_AFTER_MAX_S = 60.0
 
 
@@ -246,7 +254,9 @@ class EdgeQueue:
         return None if rate is None else (ahead + 1) / rate
 
     def pump(self) -> None:
-        """Admit waiters, oldest first, while the head fits (room freed, or limits grew)."""
+        """Admit waiters, oldest first, while the head fits (room freed, or limits grew);
+        then any of the next `BYPASS_SCAN` that may pass a head waiting for the prefill
+        pool alone (`_passes`)."""
         while self._waiters:
             head = self._waiters[0]
             if head.future.done():  # cancelled or expired, not yet removed
@@ -255,10 +265,17 @@ class EdgeQueue:
             if not self._fits(head.claim):
                 break
             self._waiters.popleft()
-            self._enter(head.request_id, head.claim)
-            self.drain.admitted(time.monotonic())
-            head.future.set_result(None)
+            self._hand_over(head)
+        for waiter in list(itertools.islice(self._waiters, 1, BYPASS_SCAN + 1)):
+            if not waiter.future.done() and self._passes(waiter.claim):
+                self._waiters.remove(waiter)
+                self._hand_over(waiter)
         self._update()
+
+    def _hand_over(self, waiter: _Waiter) -> None:
+        self._enter(waiter.request_id, waiter.claim)
+        self.drain.admitted(time.monotonic())
+        waiter.future.set_result(None)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -271,6 +288,19 @@ class EdgeQueue:
             return False
         return self.budget is None or claim is None or self.budget.fits(claim)
 
+    def _passes(self, claim: Claim | None) -> bool:
+        """Whether `claim` may enter ahead of the waiters: the oldest waits for room on the
+        prefill pool alone (the backlog horizon), and `claim`'s prompt would be prefilled
+        on a decode node (conditional disaggregation), taking none of that room. Any other
+        wait (slots, decode requests, KV) stays first come, first served."""
+        budget = self.budget
+        if budget is None or claim is None or self._active >= self.config.max_active:
+            return False
+        head = next((w for w in self._waiters if not w.future.done()), None)
+        if head is None or head.claim is None or not budget.room(head.claim):
+            return False
+        return budget.room(claim) and budget.goes_local(claim)
+
     def _enter(self, request_id: str, claim: Claim | None) -> None:
         self._active += 1
         if self.budget is not None and claim is not None:
@@ -278,7 +308,7 @@ class EdgeQueue:
 
     async def _acquire(self, request_id: str, claim: Claim | None, patience: float | None) -> None:
         arrived = time.monotonic()
-        if not self._waiters and self._fits(claim):
+        if (not self._waiters and self._fits(claim)) or (self._waiters and self._passes(claim)):
             self._enter(request_id, claim)
             self._admitted(arrived)
             return

@@ -99,6 +99,8 @@ def build_proxy(settings: ProxySettings) -> ProxyParts:
         limits = pipeline_limits(registry, settings.interstage_capacity, settings.prefill_backlog_s)
         budget = PreDecodeBudget(limits, uncached_tokens(registry))
     queue, backend = _backend(settings, registry, client, metrics, traces, budget)
+    if budget is not None and isinstance(backend, DisaggBackend):
+        budget.local = backend.prefills_locally  # past the prefill horizon (budget.py)
     edge_config = EdgeConfig(
         settings.max_active_requests,
         settings.edge_queue_capacity,

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
@@ -322,21 +322,35 @@ class DisaggBackend:
                 code="unavailable",
             )
 
-    def _place(self, req: GenerationRequest) -> Placement | None:
-        """Where this attempt's prompt is prefilled (None: the prefill pool, undecided, as
-        `always` does); traced and counted."""
-        mode = self.placement.mode
-        if mode is DisaggMode.ALWAYS:
-            return None
-        started = time.perf_counter()
-        prompt, router = req.prompt_token_ids, self.registry.router
+    def prefills_locally(self, prompt: Sequence[int]) -> bool:
+        """Whether `prompt` would be prefilled on a decode node now (no side effect): the
+        edge lets such a prompt past the prefill pool's backlog horizon (budget.py)."""
+        if self.placement.mode is DisaggMode.ALWAYS:
+            return False
+        try:
+            return self._placement(prompt, time.perf_counter()).local
+        except (ValueError, BackendError):  # no node to place it on: it waits
+            return False
+
+    def _placement(self, prompt: Sequence[int], started: float) -> Placement:
+        """Where `prompt` would be prefilled now (not `always`); ValueError or BackendError
+        when no node can take it."""
+        router = self.registry.router
         remote: Decision | None = None
-        if mode is DisaggMode.AUTO and self.registry.routable(Role.PREFILL):
+        if self.placement.mode is DisaggMode.AUTO and self.registry.routable(Role.PREFILL):
             remote = router.choose(router.estimates(Role.PREFILL, prompt), started)
         pool_rates = rates(self.registry.healthy(Role.PREFILL))
         local = router.estimates(Role.DECODE, prompt, fallback_rates=pool_rates)
         roomy = [e for e in local if _has_room(e)]
-        placement = place(self.placement, remote, roomy or (local if remote is None else []))
+        return place(self.placement, remote, roomy or (local if remote is None else []))
+
+    def _place(self, req: GenerationRequest) -> Placement | None:
+        """Where this attempt's prompt is prefilled (None: the prefill pool, undecided, as
+        `always` does); traced and counted."""
+        if self.placement.mode is DisaggMode.ALWAYS:
+            return None
+        prompt, router = req.prompt_token_ids, self.registry.router
+        placement = self._placement(prompt, time.perf_counter())
         self.traces.record(req.request_id, "placed", detail=placement.detail())
         if self.placement_metrics is not None:
             self.placement_metrics.count(placement)

@@ -198,6 +198,92 @@ def test_each_prefill_node_may_take_one_prompt_beyond_the_backlog_horizon() -> N
     assert budget.fits(budget.claim([1] * 10)) and not budget.fits(budget.claim([1] * 11))
 
 
+def test_a_prompt_a_decode_node_would_prefill_passes_the_prefill_horizon() -> None:
+    """A long prompt prefilling fills the horizon; another long one waits for it. A prompt
+    the placement would send to a decode node (here: those starting with 9) takes none of the
+    prefill pool's room, so it enters at once, past that waiter too; a prompt for the
+    prefill pool still waits its turn."""
+
+    async def body() -> None:
+        limits = Limits(requests=4, tokens=None, prefill_tokens=100)
+        budget = PreDecodeBudget(lambda: limits, local=lambda ids: ids[0] == 9)
+        edge = _queue(max_active=10, capacity=10, budget=budget)
+        inside: list[str] = []
+        done = asyncio.Event()
+
+        async def user(name: str, prompt: list[int]) -> None:
+            async with edge.slot(name, prompt):
+                inside.append(name)
+                if prompt[0] == 9:  # as the backend does once the decode node has taken it
+                    budget.release(name)
+                await done.wait()
+
+        tasks = [asyncio.ensure_future(user("long", [1] * 300))]
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.ensure_future(user("long-2", [1] * 300)))  # the horizon: waits
+        tasks.append(asyncio.ensure_future(user("remote", [1] * 10)))  # behind it, FIFO
+        tasks.append(asyncio.ensure_future(user("local", [9] * 10)))
+        await asyncio.sleep(0.01)
+        assert inside == ["long", "local"] and edge.depth == 2
+        budget.prefilled("long")
+        await asyncio.sleep(0.01)
+        assert inside == ["long", "local", "long-2"] and edge.depth == 1
+        # The request bound (4) is not the prefill pool's: a head waiting for it is passed
+        # by no one.
+        tasks.append(asyncio.ensure_future(user("long-3", [1] * 300)))
+        for i in range(2):
+            budget.hold(f"other-{i}", budget.claim([1] * 2))
+        await asyncio.sleep(0.01)
+        assert budget.requests == 4 and edge.depth == 2
+        tasks.append(asyncio.ensure_future(user("local-2", [9] * 10)))
+        await asyncio.sleep(0.01)
+        assert not budget.room(budget.claim([9] * 10)) and edge.depth == 3
+        for i in range(2):
+            budget.release(f"other-{i}")  # room again: the head waits for the horizon only
+        await asyncio.sleep(0.01)
+        assert inside == ["long", "local", "long-2", "local-2"] and edge.depth == 2
+        done.set()
+        await asyncio.gather(*tasks)
+        assert inside[4:] == ["remote", "long-3"]
+        assert (budget.requests, budget.tokens, budget.prefill_tokens) == (0, 0, 0)
+
+    asyncio.run(body())
+
+
+def test_a_waiter_for_the_prefill_pool_is_passed_by_waiters_for_a_decode_node() -> None:
+    """Room freed elsewhere (a pump) lets waiting prompts for a decode node past a head that
+    waits only for the prefill pool; a head that waits for a request slot is passed by none."""
+    budget = PreDecodeBudget(lambda: Limits(requests=3, tokens=None, prefill_tokens=100))
+    edge = _queue(max_active=10, capacity=10, budget=budget)
+    local = {"on": False}
+    budget.local = lambda ids: local["on"] and ids[0] == 9
+
+    async def body() -> None:
+        inside: list[str] = []
+        done = asyncio.Event()
+
+        async def user(name: str, prompt: list[int]) -> None:
+            async with edge.slot(name, prompt):
+                inside.append(name)
+                await done.wait()
+
+        tasks = [asyncio.ensure_future(user("long", [1] * 300))]
+        await asyncio.sleep(0.01)
+        for name, prompt in (("long-2", [1] * 300), ("short", [9] * 10), ("short-2", [9] * 5)):
+            tasks.append(asyncio.ensure_future(user(name, prompt)))
+        await asyncio.sleep(0.01)
+        assert inside == ["long"] and edge.depth == 3  # no decode node would take them yet
+        local["on"] = True  # (a decode node reported room)
+        edge.pump()
+        await asyncio.sleep(0.01)
+        assert inside == ["long", "short", "short-2"] and edge.depth == 1
+        done.set()
+        await asyncio.gather(*tasks)
+        assert inside[-1] == "long-2"
+
+    asyncio.run(body())
+
+
 def test_a_request_whose_estimated_wait_exceeds_its_patience_is_refused_at_once() -> None:
     async def body() -> None:
         edge = _queue(max_active=1, capacity=100, deadline_s=30.0)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from common.wire.node_messages import DecodeRequest, PrefillRequest
 from common.wire.sampling_params import SamplingParams
+from proxy.edge import EdgeConfig, EdgeMetrics, EdgeQueue
 from proxy.http.backend import BackendError, GenerationRequest, TokenChunk
 from proxy.pool.budget import Claim, Limits, PreDecodeBudget, pipeline_limits
 from proxy.pool.client import NodeClient
@@ -253,6 +255,42 @@ def test_auto_prefills_a_short_prompt_on_the_decode_node_when_the_prefill_queue_
             assert placed.detail.startswith("auto: local (earlier)")
             assert f"decode {decode.url} est 8 ms" in placed.detail
             assert f"prefill {prefill.url} est 10008 ms" in placed.detail
+
+    run(body())
+
+
+def test_the_edge_lets_a_prompt_auto_prefills_locally_past_the_prefill_horizon() -> None:
+    """A long prompt computing on the only prefill node fills the backlog horizon. A short
+    prompt that `auto` sends to the decode node enters the pipeline at once and is prefilled
+    there; under `always`, or when too long to prefill locally, it waits at the edge."""
+
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.prefill_tokens_per_s = 100.0  # horizon: 2 s of it, 200 tokens
+        prefill.queued_prefill_tokens = 1000  # the long prompt: 10 s of work queued there
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            await stack.registry.poll_all()
+            budget = PreDecodeBudget(pipeline_limits(stack.registry, backlog_s=2.0))
+            backend, traces = _auto_backend(stack, budget)
+            budget.local = backend.prefills_locally  # as the proxy wires it
+            edge = EdgeQueue(EdgeConfig(), EdgeMetrics(CollectorRegistry()), budget)
+            budget.hold("long", budget.claim([5] * 1000))  # admitted, prefilling
+            short, too_long = budget.claim([1, 2, 3]), budget.claim([1] * 100)
+            assert budget.fits(short) and not budget.fits(too_long)  # local_max_tokens 64
+            traces.start("req-1", "chat")
+            async with edge.slot("req-1", [1, 2, 3]):
+                chunks = await _collect(backend.generate(_request()))
+            assert _tokens(chunks) == [7, 8, 9, 10]
+            assert prefill.calls == [] and decode.paths() == ["/internal/generate"]
+            trace = traces.get("req-1")
+            assert trace is not None
+            # The edge's check left no trace of its own: one placement, the backend's.
+            assert [r.detail[:20] for r in trace.rows if r.event == "placed"] == [
+                "auto: local (earlier"
+            ]
+            assert budget.requests == 1  # the long one
+            backend.placement = PlacementConfig(DisaggMode.ALWAYS)
+            assert not budget.fits(short)
 
     run(body())
 
