@@ -109,6 +109,8 @@ class LLMEngine:
         self._snapshot: dict[str, object] = {}
         self.integrity_violations = 0  # found by check_integrity_when_idle
         self.prefill_tokens_per_s: float | None = None  # measured (timing.prefill_rate)
+        # The warm-up's (cold) prefill rate: bounds the step time until one is measured.
+        self.warm_up_prefill_tokens_per_s: float | None = None
         self._slowest_step = SlowestRecent(STEP_MEMORY_S)  # forward seconds
         # Called on the engine thread after every step that ran a batch (node metrics).
         self.on_step: Callable[[StepTiming], None] | None = None
@@ -509,7 +511,7 @@ class LLMEngine:
                 "step_time_max_s": step_time_bound(
                     self._slowest_step.max(),
                     self.config.max_num_batched_tokens,
-                    self.prefill_tokens_per_s,
+                    self.prefill_tokens_per_s or self.warm_up_prefill_tokens_per_s,
                 ),
                 "integrity_violations": self.integrity_violations,
             },

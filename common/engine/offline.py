@@ -91,6 +91,7 @@ class _Warmable(Protocol):  # what of LLMEngine the warm-up touches
     scheduler: Scheduler
     device: torch.device
     prefill_tokens_per_s: float | None
+    warm_up_prefill_tokens_per_s: float | None
 
     def generate(
         self, prompts: Seq[list[int]], sampling: Seq[SamplingParams]
@@ -103,7 +104,8 @@ def warm_up(engine: _Warmable) -> float:
     for first use (Triton on CUDA compiles each kernel variant then; the CPU warms its
     allocator and oneDNN's kernels). Leaves no trace: the cached blocks are forgotten and
     every counter and measurement (evictions, KV event numbers, prefix hit counts,
-    preemptions, the prefill rate) is restored. Seconds taken."""
+    preemptions, the prefill rate) is restored; the prefill rate it measured is kept apart,
+    for the step-time bound alone. Seconds taken."""
     started = time.perf_counter()
     vocab = engine.model_config.vocab_size
     n = max(1, min(2 * engine.config.block_size + 1, engine.max_model_len - 4))
@@ -118,7 +120,11 @@ def warm_up(engine: _Warmable) -> float:
     engine.generate(prompts, [greedy, sampled])
     a.reset_cache()
     # What the warm-up measured is not the node's: a cold first prefill is no prefill
-    # rate for a router to plan with (the proxy places prompts by it).
+    # rate for a router to plan with (the proxy places prompts by it). It does bound how
+    # long the node's first full prefill chunk may take (`step_time_max_s`, the proxy's
+    # stall timeout), which before any real prefill is otherwise unknown: a first chunk
+    # of over 5 s (a big model on a CPU) ended every stream it held up.
+    engine.warm_up_prefill_tokens_per_s = engine.prefill_tokens_per_s
     (a.evictions, a.event_no, sched.prefix_queries, sched.prefix_hits,
      sched.num_preemptions, engine.prefill_tokens_per_s) = kept  # fmt: skip
     if engine.device.type == "cuda":

@@ -66,3 +66,23 @@ def test_the_engine_publishes_it_after_a_prefill(make_engine: Callable[..., LLME
     published = engine.state()["step_time_max_s"]
     assert isinstance(published, float)
     assert published >= 64 / rate and published >= (engine._slowest_step.max() or 0.0)
+
+
+def test_before_any_prefill_the_warm_up_rate_bounds_a_full_chunk(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """A node's first long prompt: nothing real has been timed yet, so the bound comes from
+    the warm-up's prefill, which is not a rate a router may plan with."""
+    engine = make_engine(max_num_batched_tokens=64)
+    engine.warm_up()
+    warm = engine.warm_up_prefill_tokens_per_s
+    assert warm is not None and engine.prefill_tokens_per_s is None
+    published = engine.state()["step_time_max_s"]
+    assert isinstance(published, float) and published >= 64 / warm
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.generate([list(range(5, 45))], params)  # a real prefill: its rate takes over
+    rate = engine.prefill_tokens_per_s
+    assert rate is not None
+    assert engine.state()["step_time_max_s"] == step_time_bound(
+        engine._slowest_step.max(), 64, rate
+    )
