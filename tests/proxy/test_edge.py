@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -27,6 +28,31 @@ def _queue(
 
 def _rejections(edge: EdgeQueue, reason: str) -> float:
     return edge.metrics.rejections.labels(reason)._value.get()
+
+
+class _Users:
+    """Requests that enter through `edge` (in the order they were let in: `inside`) and
+    stay there until `done` is set; `on_enter(name, prompt)` runs as each enters."""
+
+    def __init__(self, edge: EdgeQueue, on_enter: Callable[[str, list[int]], None] | None = None):
+        self.edge, self.on_enter = edge, on_enter
+        self.inside: list[str] = []
+        self.done = asyncio.Event()
+        self.tasks: list[asyncio.Future[None]] = []
+
+    def start(self, name: str, prompt: list[int]) -> None:
+        self.tasks.append(asyncio.ensure_future(self._user(name, prompt)))
+
+    async def _user(self, name: str, prompt: list[int]) -> None:
+        async with self.edge.slot(name, prompt):
+            self.inside.append(name)
+            if self.on_enter is not None:
+                self.on_enter(name, prompt)
+            await self.done.wait()
+
+    async def finish(self) -> None:
+        self.done.set()
+        await asyncio.gather(*self.tasks)
 
 
 def test_slots_pass_to_waiters_in_order_and_overflow_is_refused() -> None:
@@ -157,27 +183,20 @@ def test_prefill_work_beyond_the_backlog_horizon_waits_at_the_edge() -> None:
         limits = Limits(requests=10, tokens=None, prefill_tokens=100)
         budget = PreDecodeBudget(lambda: limits, lambda ids: len(ids) - 60 * (ids[0] == 0))
         edge = _queue(max_active=10, capacity=10, budget=budget)
-        inside: list[str] = []
-        done = asyncio.Event()
-
-        async def user(name: str, prompt: list[int]) -> None:
-            async with edge.slot(name, prompt):
-                inside.append(name)
-                await done.wait()
-
-        tasks = [asyncio.ensure_future(user("a", [1] * 80))]
-        tasks.append(asyncio.ensure_future(user("b", [1] * 40)))  # 80 + 40 > 100: waits
+        users = _Users(edge)
+        inside = users.inside
+        users.start("a", [1] * 80)
+        users.start("b", [1] * 40)  # 80 + 40 > 100: waits
         await asyncio.sleep(0.01)
         assert inside == ["a"] and budget.prefill_tokens == 80
         budget.prefilled("a")  # a's first token is out: its KV waits for decode
         await asyncio.sleep(0.01)
         assert inside == ["a", "b"] and (budget.requests, budget.prefill_tokens) == (2, 40)
-        tasks.append(asyncio.ensure_future(user("c", [0] * 90)))  # 60 cached: 30 to compute
+        users.start("c", [0] * 90)  # 60 cached: 30 to compute
         await asyncio.sleep(0.01)
         assert inside == ["a", "b", "c"] and budget.prefill_tokens == 70
         assert budget.tokens == 80 + 40 + 90  # the decode side counts whole prompts
-        done.set()
-        await asyncio.gather(*tasks)
+        await users.finish()
         assert (budget.requests, budget.tokens, budget.prefill_tokens) == (0, 0, 0)
 
     asyncio.run(body())
@@ -208,21 +227,18 @@ def test_a_prompt_a_decode_node_would_prefill_passes_the_prefill_horizon() -> No
         limits = Limits(requests=4, tokens=None, prefill_tokens=100)
         budget = PreDecodeBudget(lambda: limits, local=lambda ids: ids[0] == 9)
         edge = _queue(max_active=10, capacity=10, budget=budget)
-        inside: list[str] = []
-        done = asyncio.Event()
 
-        async def user(name: str, prompt: list[int]) -> None:
-            async with edge.slot(name, prompt):
-                inside.append(name)
-                if prompt[0] == 9:  # as the backend does once the decode node has taken it
-                    budget.release(name)
-                await done.wait()
+        def entered(name: str, prompt: list[int]) -> None:
+            if prompt[0] == 9:  # as the backend does once the decode node has taken it
+                budget.release(name)
 
-        tasks = [asyncio.ensure_future(user("long", [1] * 300))]
+        users = _Users(edge, entered)
+        inside = users.inside
+        users.start("long", [1] * 300)
         await asyncio.sleep(0.01)
-        tasks.append(asyncio.ensure_future(user("long-2", [1] * 300)))  # the horizon: waits
-        tasks.append(asyncio.ensure_future(user("remote", [1] * 10)))  # behind it, FIFO
-        tasks.append(asyncio.ensure_future(user("local", [9] * 10)))
+        users.start("long-2", [1] * 300)  # the horizon: waits
+        users.start("remote", [1] * 10)  # behind it, FIFO
+        users.start("local", [9] * 10)
         await asyncio.sleep(0.01)
         assert inside == ["long", "local"] and edge.depth == 2
         budget.prefilled("long")
@@ -230,20 +246,19 @@ def test_a_prompt_a_decode_node_would_prefill_passes_the_prefill_horizon() -> No
         assert inside == ["long", "local", "long-2"] and edge.depth == 1
         # The request bound (4) is not the prefill pool's: a head waiting for it is passed
         # by no one.
-        tasks.append(asyncio.ensure_future(user("long-3", [1] * 300)))
+        users.start("long-3", [1] * 300)
         for i in range(2):
             budget.hold(f"other-{i}", budget.claim([1] * 2))
         await asyncio.sleep(0.01)
         assert budget.requests == 4 and edge.depth == 2
-        tasks.append(asyncio.ensure_future(user("local-2", [9] * 10)))
+        users.start("local-2", [9] * 10)
         await asyncio.sleep(0.01)
         assert not budget.room(budget.claim([9] * 10)) and edge.depth == 3
         for i in range(2):
             budget.release(f"other-{i}")  # room again: the head waits for the horizon only
         await asyncio.sleep(0.01)
         assert inside == ["long", "local", "long-2", "local-2"] and edge.depth == 2
-        done.set()
-        await asyncio.gather(*tasks)
+        await users.finish()
         assert inside[4:] == ["remote", "long-3"]
         assert (budget.requests, budget.tokens, budget.prefill_tokens) == (0, 0, 0)
 
@@ -259,26 +274,19 @@ def test_a_waiter_for_the_prefill_pool_is_passed_by_waiters_for_a_decode_node() 
     budget.local = lambda ids: local["on"] and ids[0] == 9
 
     async def body() -> None:
-        inside: list[str] = []
-        done = asyncio.Event()
-
-        async def user(name: str, prompt: list[int]) -> None:
-            async with edge.slot(name, prompt):
-                inside.append(name)
-                await done.wait()
-
-        tasks = [asyncio.ensure_future(user("long", [1] * 300))]
+        users = _Users(edge)
+        inside = users.inside
+        users.start("long", [1] * 300)
         await asyncio.sleep(0.01)
         for name, prompt in (("long-2", [1] * 300), ("short", [9] * 10), ("short-2", [9] * 5)):
-            tasks.append(asyncio.ensure_future(user(name, prompt)))
+            users.start(name, prompt)
         await asyncio.sleep(0.01)
         assert inside == ["long"] and edge.depth == 3  # no decode node would take them yet
         local["on"] = True  # (a decode node reported room)
         edge.pump()
         await asyncio.sleep(0.01)
         assert inside == ["long", "short", "short-2"] and edge.depth == 1
-        done.set()
-        await asyncio.gather(*tasks)
+        await users.finish()
         assert inside[-1] == "long-2"
 
     asyncio.run(body())
