@@ -94,14 +94,14 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.kernels, mc.eos_token_ids
         )
-        if config.cuda_graphs:  # (ValueError without a CUDA device and the Triton kernels)
+        if config.cuda_graphs:  # (ValueError without CUDA and the Triton kernels)
             width = -(-self.max_model_len // config.block_size)
             self.runner.graphs = DecodeGraphs(
                 self.model, self.kv_cache, self.kernels, config.max_num_seqs, width
             )
             self.runner.graphs.capture()
         self._inbox: deque[EngineCommand] = deque()
-        self._records: dict[str, RequestRecord] = {}  # engine thread writes; others .get()
+        self._records: dict[str, RequestRecord] = {}  # the engine thread writes
         # Ids submitted and not yet finished: the submitting thread adds, the engine thread
         # discards (single-adder, so check-then-add needs no lock).
         self._known_ids: set[str] = set()
@@ -358,6 +358,7 @@ class LLMEngine:
                 outputs += pin_computed(
                     batch, self._records, self.allocator, self.config.block_size
                 )
+            outputs += self.scheduler.keepalives(t3)
             return self._finish_step(outputs, batch, (t0, t1, t2, t3))
 
     def _finish_step(

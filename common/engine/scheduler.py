@@ -27,6 +27,11 @@ from common.engine.block_allocator import BlockAllocator, BlockState, block_hash
 from common.engine.sequence import FinishReason, SeqStatus, Sequence
 from common.wire.logprobs import TokenLogprobs
 
+# How often a preempted request's stream hears from the engine while it waits: a silence
+# of at most this plus a step, well within the proxy's stall timeout (5 s by default, and
+# 1 s in the tests that shorten it).
+KEEPALIVE_S = 0.5
+
 
 @dataclass
 class ScheduledBatch:
@@ -48,6 +53,9 @@ class OutputKind(str, Enum):
     # prefill role, streamed KV: these full prompt blocks are computed and pinned (not final)
     KV_COMPUTED = "kv_computed"
     ENGINE_DEAD = "engine_dead"  # the engine thread died (AsyncEngine's last output)
+    # No tokens: a preempted request that streamed tokens before is waiting to run again
+    # (queued, or recomputing); its stream hears the engine is alive (`Scheduler.keepalives`).
+    WAITING = "waiting"
 
 
 @dataclass
@@ -121,6 +129,7 @@ class Scheduler:
         # Full-block hashes of the waiting prompts (counted): a later prompt with the same
         # prefix will find it cached once the earlier one is computed.
         self._queued_hashes: Counter[int] = Counter()
+        self._keepalive_at = 0.0  # monotonic time of the next keepalives
 
     # -- queries ---------------------------------------------------------------
 
@@ -129,6 +138,22 @@ class Scheduler:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def keepalives(self, now: float) -> list[StepOutput]:
+        """WAITING outputs, at most one per sequence every KEEPALIVE_S, for the preempted
+        sequences that streamed tokens and have not caught up yet (waiting, or recomputing
+        what they had). Their streams would otherwise go silent for as long as the wait for
+        free blocks lasts, and a silent stream is taken for a hung node (the proxy's stall
+        timeout); the engine stepping is what says the node is alive."""
+        if now < self._keepalive_at:
+            return []
+        self._keepalive_at = now + KEEPALIVE_S
+        waiting = OutputKind.WAITING
+        return [
+            StepOutput(s.request_id, [], False, kind=waiting, choice=s.choice, route=s.parent_id)
+            for s in (*self.waiting, *self.running)
+            if s.num_preemptions and s.num_output_tokens and s.num_uncomputed > 1
+        ]
 
     # -- requests --------------------------------------------------------------
 

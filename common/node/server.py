@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine, RequestError
 from common.engine.loop import AsyncEngine
-from common.engine.scheduler import StepOutput
+from common.engine.scheduler import OutputKind, StepOutput
 from common.engine.sequence import FinishReason
 from common.node.metrics import NodeMetrics
 from common.wire.auth import CLUSTER_TOKEN_ENV, is_loopback
@@ -433,6 +433,9 @@ async def stream_outputs(
     evicted = role.evicted if role is not None else set()
     try:
         async for out in outputs:
+            if out.kind is OutputKind.WAITING:  # preempted, waiting to run: a blank line
+                await resp.write(b"\n")  # keeps the stream from looking stalled (proxy)
+                continue
             if out.finish_reason is FinishReason.ABORT and request_id in evicted:
                 evicted.discard(request_id)
                 err = ApiError(503, "the node changed role", code=ROLE_CHANGE_CODE)

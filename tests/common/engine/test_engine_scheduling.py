@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import time
 
 import pytest
 import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine, RequestError
+from common.engine.scheduler import KEEPALIVE_S, OutputKind
 from common.engine.sequence import FinishReason
 from common.wire.sampling_params import SamplingParams
 
@@ -122,6 +124,28 @@ def test_abort_preempted_request(make_engine, engine_driver):
     engine.abort_request(victim.request_id)
     driver.finish()
     assert driver.reasons[victim.request_id] is FinishReason.ABORT
+
+
+def test_a_preempted_request_that_streamed_hears_keepalives_until_it_catches_up(
+    make_engine, engine_driver
+):
+    engine = make_engine(num_blocks=8, block_size=8)
+    driver = engine_driver(engine)
+    for i, p in enumerate(prompts(20, 20, 20)):
+        driver.add(str(i), p, greedy(30))
+    while engine.state()["preemptions"] == 0:
+        driver.step()
+    sched = engine.scheduler
+    (victim,) = [s for s in sched.waiting if s.num_output_tokens]
+    later = time.perf_counter() + 60  # past any keepalive the steps so far sent
+    got = [(o.request_id, o.kind, o.new_token_ids, o.finished) for o in sched.keepalives(later)]
+    assert got == [(victim.request_id, OutputKind.WAITING, [], False)]  # no running one
+    assert sched.keepalives(later + KEEPALIVE_S / 2) == []  # one per KEEPALIVE_S at most
+    assert len(sched.keepalives(later + KEEPALIVE_S)) == 1
+    tokens = driver.finish()
+    prompt = prompts(20, 20, 20)[int(victim.request_id)]
+    assert tokens[victim.request_id] == run_alone(engine, engine_driver, prompt, greedy(30))
+    assert sched.keepalives(later + 10 * KEEPALIVE_S) == []  # nothing waits now
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7])
