@@ -201,12 +201,6 @@ class Node:
         slots = cap.max_num_seqs - cap.running - cap.reserved - self.sent_requests
         return slots > 0, free
 
-    def decode_streams(self) -> int:
-        """Sequences the node decodes now, as last seen, plus those sent since: the streams a
-        prefill on it would hold up."""
-        cap = self.state.capacity if self.state is not None else None
-        return (cap.running + cap.reserved if cap is not None else 0) + self.sent_requests
-
     def decode_spare(self) -> tuple[int, int, int] | None:
         """(free sequence slots, free blocks, block size) as last seen less what was sent
         since; None while the node has not reported its capacity."""

@@ -6,25 +6,19 @@ a short prompt waits behind the prefill pool's queue (a 1,000-token prompt compu
 holds it for seconds) and its KV then crosses the network, where the decode node could have
 computed it in one step. As vLLM's early conditional disaggregation and Dynamo's local-prefill
 threshold do, `auto` sends a prompt straight to a decode node when that is estimated to give
-an earlier first token, by more than the wait its prefill adds to the decode node's running
-streams, and the prompt is short enough not to stall them for long:
+an earlier first token and the prompt is short enough not to stall the decode node's running
+sequences for long:
 
     local  iff  a decode node has a free slot and blocks for the prompt,
                 its uncached tokens <= local_max_tokens (the stall bound), and
-                its estimated TTFT + stall < the prefill pool's best estimate,
-    stall     = uncached / rate x the streams it decodes (running, reserved, sent since)
+                its estimated TTFT < the prefill pool's best estimate
 
 with both estimates from the router (router.py): (queued prompt tokens + this prompt's
 uncached tokens there) / the node's measured prefill rate (a decode node that has not
-prefilled yet borrows the prefill pool's rate). `stall` is the waiting a local prefill adds
-in all: each of the node's streams waits for its tokens, so the first token it brings
-forward must save more than that. A short or mostly cached prompt (the decode node caches
-every prompt it decoded, and a chat's earlier answers), a long prefill queue and a lightly
-loaded decode node favour local; an idle prefill pool wins ties. Without the stall term
-(before session 30), a decode node that was the bottleneck (bfloat16 on this CPU, past 3
-req/s) kept taking short prompts while the prefill pool had any queue: its steps with a
-prompt chunk took 129 ms against 86, 19% of its time, and `auto`'s goodput fell below
-`always`'s. With no healthy prefill node, `auto` prefills locally rather than fail.
+prefilled yet borrows the prefill pool's rate). A short or mostly cached prompt (the decode
+node caches every prompt it decoded, and a chat's earlier answers) and a long prefill queue
+favour local; an idle prefill pool wins ties, since a local prefill slows the decode node's
+other streams. With no healthy prefill node, `auto` prefills locally rather than fail.
 
     always  every prompt on the prefill pool (static disaggregation)
     never   every prompt on a decode node (the decode pool serves colocated)
@@ -72,8 +66,7 @@ class Placement:
     reason: str  # one of REASONS
     mode: DisaggMode
     remote: Decision | None  # the prefill pool's pick (None: no healthy prefill node)
-    local_best: Estimate | None  # the decode node with room, the lowest estimate + stall
-    stall_s: float = 0.0  # auto: the wait a local prefill adds to local_best's streams, summed
+    local_best: Estimate | None  # the decode node with room and the lowest estimate
 
     def __post_init__(self) -> None:
         assert self.reason in REASONS, self.reason
@@ -85,8 +78,7 @@ class Placement:
         where = "local" if self.local else "prefill pool"
         parts = [f"{self.mode.value}: {where} ({self.reason})"]
         if self.local_best is not None:
-            stall = f" + {self.stall_s * 1000:.0f} ms stall" if self.stall_s else ""
-            parts.append(f"decode {self.local_best.describe()}{stall}")
+            parts.append(f"decode {self.local_best.describe()}")
         if self.remote is not None:
             parts.append(f"prefill {self.remote.chosen.describe()}")
         return "; ".join(parts)
@@ -96,13 +88,13 @@ def place(config: PlacementConfig, remote: Decision | None, local: list[Estimate
     """Where to prefill, given the prefill pool's pick (`remote`, None if the pool has no
     healthy node) and the estimates of the decode nodes with room for the prompt (`local`).
     Raises ValueError when neither is possible."""
-    best = min(local, key=lambda e: e.ttft_s + stall_s(e)) if local else None
+    best = min(local, key=lambda e: e.ttft_s) if local else None
     if remote is None and best is None:
         raise ValueError("no prefill node and no decode node with room")
     mode = config.mode
 
-    def decide(is_local: bool, reason: str, stall_s: float = 0.0) -> Placement:
-        return Placement(is_local, reason, mode, remote, best, stall_s)
+    def decide(is_local: bool, reason: str) -> Placement:
+        return Placement(is_local, reason, mode, remote, best)
 
     if mode is DisaggMode.ALWAYS or best is None:
         return decide(False, "mode" if mode is DisaggMode.ALWAYS else "no_room")
@@ -110,16 +102,9 @@ def place(config: PlacementConfig, remote: Decision | None, local: list[Estimate
         return decide(True, "mode" if mode is DisaggMode.NEVER else "no_prefill_node")
     if best.uncached > config.local_max_tokens:
         return decide(False, "too_long")
-    stall = stall_s(best)
-    if best.ttft_s + stall < remote.chosen.ttft_s:
-        return decide(True, "earlier", stall)
-    return decide(False, "not_earlier", stall)
-
-
-def stall_s(e: Estimate) -> float:
-    """The wait that prefilling `e`'s prompt on its decode node adds to the node's streams,
-    summed over them: its uncached tokens' compute time, once per stream."""
-    return e.uncached / e.rate * e.node.decode_streams()
+    if best.ttft_s < remote.chosen.ttft_s:
+        return decide(True, "earlier")
+    return decide(False, "not_earlier")
 
 
 class PlacementMetrics:

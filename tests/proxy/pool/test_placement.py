@@ -40,35 +40,6 @@ def test_a_short_prompt_behind_a_long_prefill_queue_prefills_locally() -> None:
     assert "decode http://d est 120 ms" in detail and "prefill http://p est 3120 ms" in detail
 
 
-def decoding(e: Estimate, streams: int) -> Estimate:
-    """`e`, its node decoding `streams` sequences (sent, not yet in a state)."""
-    for _ in range(streams):
-        e.node.sent(0)
-    return e
-
-
-def test_a_short_prompt_stays_off_a_decode_node_whose_streams_it_would_hold_up_longer() -> None:
-    # 120 ms of prefill there holds up each of 30 streams: 3.6 s of waiting in all, more
-    # than the 3 s the prompt's first token would gain; with 10 streams, 1.2 s, less.
-    busy = decoding(estimate("http://d", Role.DECODE, 0, 48), 30)
-    p = place(AUTO, remote(1200, 48), [busy])
-    assert not p.local and p.reason == "not_earlier" and p.stall_s == pytest.approx(3.6)
-    assert "decode http://d est 120 ms (queue 0 ms, 0/48 tokens cached) + 3600 ms stall" in (
-        p.detail()
-    )
-    lighter = decoding(estimate("http://d", Role.DECODE, 0, 48), 10)
-    p = place(AUTO, remote(1200, 48), [lighter])
-    assert p.local and p.reason == "earlier" and p.stall_s == pytest.approx(1.2)
-
-
-def test_of_two_decode_nodes_the_one_it_would_hold_up_less_is_chosen() -> None:
-    # d1 gives the earlier first token (no queue), but 20 streams wait for it there.
-    crowded = decoding(estimate("http://d1", Role.DECODE, 0, 48), 20)
-    quiet = decoding(estimate("http://d2", Role.DECODE, 40, 48), 1)
-    p = place(AUTO, remote(2000, 48), [crowded, quiet])
-    assert p.local and p.local_best is quiet
-
-
 def test_an_idle_prefill_pool_wins_a_tie() -> None:
     p = place(AUTO, remote(0, 48), [estimate("http://d", Role.DECODE, 0, 48)])
     assert not p.local and p.reason == "not_earlier"
