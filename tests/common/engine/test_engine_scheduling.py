@@ -113,7 +113,9 @@ def test_abort_before_first_step(make_engine, engine_driver):
     driver.finish()
 
 
-def test_abort_preempted_request(make_engine, engine_driver):
+def until_preempted(make_engine, engine_driver):
+    """(engine, driver, victim): three requests on a pool too small for them, stepped until
+    the newest, which had streamed tokens, is preempted and waiting."""
     engine = make_engine(num_blocks=8, block_size=8)
     driver = engine_driver(engine)
     for i, p in enumerate(prompts(20, 20, 20)):
@@ -121,6 +123,11 @@ def test_abort_preempted_request(make_engine, engine_driver):
     while engine.state()["preemptions"] == 0:
         driver.step()
     (victim,) = [s for s in engine.scheduler.waiting if s.num_output_tokens]
+    return engine, driver, victim
+
+
+def test_abort_preempted_request(make_engine, engine_driver):
+    engine, driver, victim = until_preempted(make_engine, engine_driver)
     engine.abort_request(victim.request_id)
     driver.finish()
     assert driver.reasons[victim.request_id] is FinishReason.ABORT
@@ -129,14 +136,8 @@ def test_abort_preempted_request(make_engine, engine_driver):
 def test_a_preempted_request_that_streamed_hears_keepalives_until_it_catches_up(
     make_engine, engine_driver
 ):
-    engine = make_engine(num_blocks=8, block_size=8)
-    driver = engine_driver(engine)
-    for i, p in enumerate(prompts(20, 20, 20)):
-        driver.add(str(i), p, greedy(30))
-    while engine.state()["preemptions"] == 0:
-        driver.step()
+    engine, driver, victim = until_preempted(make_engine, engine_driver)
     sched = engine.scheduler
-    (victim,) = [s for s in sched.waiting if s.num_output_tokens]
     later = time.perf_counter() + 60  # past any keepalive the steps so far sent
     got = [(o.request_id, o.kind, o.new_token_ids, o.finished) for o in sched.keepalives(later)]
     assert got == [(victim.request_id, OutputKind.WAITING, [], False)]  # no running one
