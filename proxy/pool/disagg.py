@@ -63,12 +63,13 @@ from proxy.pool.placement import (
     Placement,
     PlacementConfig,
     PlacementMetrics,
+    has_room,
     place,
 )
 from proxy.pool.prefill_stream import PrefillStream
 from proxy.pool.registry import NodeRegistry
 from proxy.pool.relay import open_generate, relay, report_stall, report_unreachable
-from proxy.pool.router import Decision, Estimate, rates
+from proxy.pool.router import Decision, rates
 from proxy.trace import TraceStore
 
 log = logging.getLogger(__name__)
@@ -341,7 +342,7 @@ class DisaggBackend:
             remote = router.choose(router.estimates(Role.PREFILL, prompt), started)
         pool_rates = rates(self.registry.healthy(Role.PREFILL))
         local = router.estimates(Role.DECODE, prompt, fallback_rates=pool_rates)
-        roomy = [e for e in local if _has_room(e)]
+        roomy = [e for e in local if has_room(e)]
         return place(self.placement, remote, roomy or (local if remote is None else []))
 
     def _place(self, req: GenerationRequest) -> Placement | None:
@@ -492,15 +493,6 @@ class DisaggBackend:
         except BaseException:
             self.client.cancel_soon(prefill_url, req.request_id)
             raise
-
-
-def _has_room(e: Estimate) -> bool:
-    """Whether decode node `e.node` has a free slot and blocks for the prompt's uncached
-    tokens (its cached ones are there already)."""
-    slot, free = e.node.decode_room()
-    cap = e.node.state.capacity if e.node.state is not None else None
-    block_size = cap.block_size if cap is not None and cap.block_size > 0 else 16
-    return slot and free >= -(-(e.uncached + 1) // block_size)
 
 
 def _first_chunk(result: PrefillResult) -> TokenChunk:

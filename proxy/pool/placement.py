@@ -107,6 +107,15 @@ def place(config: PlacementConfig, remote: Decision | None, local: list[Estimate
     return decide(False, "not_earlier")
 
 
+def has_room(e: Estimate) -> bool:
+    """Whether decode node `e.node` has a free slot and blocks for the prompt's uncached
+    tokens (its cached ones are there already)."""
+    slot, free = e.node.decode_room()
+    cap = e.node.state.capacity if e.node.state is not None else None
+    block_size = cap.block_size if cap is not None and cap.block_size > 0 else 16
+    return slot and free >= -(-(e.uncached + 1) // block_size)
+
+
 class PlacementMetrics:
     def __init__(self, registry: CollectorRegistry, mode: DisaggMode) -> None:
         self.mode = mode
