@@ -28,13 +28,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 STALL_TIMEOUT_S = 1.0
 
 
-async def _longest_silence(reqs: list[Request]) -> float:
-    """Until every request is done: the longest time, in seconds, that a started, unfinished
-    stream went without a new event (sampled every 20 ms)."""
+async def _longest_silence(reqs: list[Request], within_s: float = 120.0) -> float:
+    """Until every request is done (or `within_s`): the longest time, in seconds, that a
+    started, unfinished stream went without a new event (sampled every 20 ms)."""
     loop = asyncio.get_running_loop()
     seen = [(0, loop.time()) for _ in reqs]
-    longest = 0.0
-    while not all(r.task.done() for r in reqs):
+    longest, deadline = 0.0, loop.time() + within_s
+    while not all(r.task.done() for r in reqs) and loop.time() < deadline:
         await asyncio.sleep(0.02)
         now = loop.time()
         for i, r in enumerate(reqs):
