@@ -295,6 +295,12 @@ class Connections:
     def connecting(self) -> bool:
         return bool(self._pending)
 
+    def redialling(self, peer_id: str) -> bool:
+        """Whether peer_id was lost and a handshake to its address is pending: what it says
+        now may come from the connection that handshake is opening."""
+        place = self._lost_ids.get(peer_id)
+        return place is not None and any(a.address == place[1] for a in self._pending.values())
+
     # -- liveness ----------------------------------------------------------------------------
 
     def housekeeping(self, now: float) -> None:
@@ -328,13 +334,10 @@ class Connections:
         Nothing waits on these connects; one that fails is tried again next interval."""
         for peer_id in self.book.quarantined_peers():
             place = self._lost_ids.get(peer_id)
-            if place is None or peer_id in self.peers:
+            if place is None or peer_id in self.peers or self.redialling(peer_id):
                 continue
-            address = place[1]
-            if any(a.address == address for a in self._pending.values()):
-                continue
-            log.info("redialling %s at %s: it holds quarantined writes to us", peer_id, address)
-            self.connect(address, Future())
+            log.info("redialling %s at %s: it holds quarantined writes to us", peer_id, place[1])
+            self.connect(place[1], Future())
 
     def next_deadline(self) -> float:
         return self._next_heartbeat

@@ -323,13 +323,11 @@ class ProgressLoop:
                 self._reject(item, "not sealed by that peer, or replayed", "unauthenticated")
             elif self.conns.seen(item.routing_id):
                 self._on_peer_message(item.routing_id, msg)
-        elif self.conns.was_lost(item.routing_id):
-            self._reject(item, "this node declared you lost; handshake again", "peer_lost")
-        elif self.conns.connecting() and len(self._early) < _MAX_EARLY:
+        elif self._may_be_early(item.routing_id) and len(self._early) < _MAX_EARLY:
             # A peer that just accepted our handshake may speak before its reply is read.
             self._early.append((item, msg))
         else:
-            self._reject(item, f"unknown peer {item.routing_id!r}: handshake first", "unknown_peer")
+            self._refuse_unknown(item)
 
     def _replay_early(self) -> None:
         """Deliver stashed messages whose sender is now a peer; refuse the rest once
@@ -341,13 +339,26 @@ class ProgressLoop:
                     self._reject(item, "not sealed by that peer, or replayed", "unauthenticated")
                 elif self.conns.seen(item.routing_id):
                     self._on_peer_message(item.routing_id, msg)
-            elif self.conns.connecting():
+            elif self._may_be_early(item.routing_id):
                 keep.append((item, msg))
             else:
-                self._reject(
-                    item, f"unknown peer {item.routing_id!r}: handshake first", "unknown_peer"
-                )
+                self._refuse_unknown(item)
         self._early = keep
+
+    def _may_be_early(self, sender: str) -> bool:
+        """Whether a message from a sender that is no peer may be ahead of a handshake's
+        reply: some handshake is pending, and, for a peer we declared lost, it is the one
+        to that peer's address. (Refused as lost instead, a reconnected peer's first
+        heartbeat made it declare us lost in turn, just as its reply made it our peer.)"""
+        if self.conns.was_lost(sender):
+            return self.conns.redialling(sender)
+        return self.conns.connecting()
+
+    def _refuse_unknown(self, item: Inbound) -> None:
+        if self.conns.was_lost(item.routing_id):
+            self._reject(item, "this node declared you lost; handshake again", "peer_lost")
+        else:
+            self._reject(item, f"unknown peer {item.routing_id!r}: handshake first", "unknown_peer")
 
     def _on_outbox(self, key: str, msg: Message) -> None:
         """Replies that come back on our own outbox: handshake replies and rejects."""

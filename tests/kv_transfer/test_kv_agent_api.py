@@ -21,6 +21,7 @@ from common.wire.messages import (
     Challenge,
     Handshake,
     HandshakeReply,
+    Heartbeat,
     Hello,
     KVAborted,
     KVFirstToken,
@@ -359,6 +360,42 @@ def test_writes_to_a_peer_that_reconnected_are_not_treated_as_the_lost_ones() ->
                 break
         assert done == set(rids)
         assert a.failure() is None and a.step_errors == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_lost_peer_that_speaks_before_our_redial_is_answered_is_heard() -> None:
+    """A peer we declared lost and dial again may speak on its new connection before we
+    read its handshake reply. Refused as lost, that message made it declare us lost in turn
+    just as the reply made it our peer (the test above failed so, now and then). With a redial
+    pending, its message waits for the reply; with none, it is refused."""
+    config = dataclasses.replace(CONFIG, heartbeat_interval_s=0.1, peer_timeout_s=0.5)
+    cache = torch.zeros(8, 2, 2, 4, 2, 8)
+    a = KVTransferAgent(config, cache, "a", Fingerprint.for_kv_cache(cache, "w"))
+    b = KVTransferAgent(config, cache.clone(), "b", Fingerprint.for_kv_cache(cache, "w"))
+    try:
+        a.connect(b.address)
+        with b._loop.state_lock:  # b stalls until a declares it lost for silence
+            until(a, PeerLost)
+        until(b, PeerLost)  # b gives a up too (silent to it, or it refused b's heartbeat)
+        beat = encode(Heartbeat(agent_name=b.agent_name, sent_at=time.time()))
+        rejected = a.rejected_messages
+        _intrude(a.address, b.agent_name, [beat])  # no redial pending: refused, as lost
+        _await(lambda: a.rejected_messages == rejected + 1, a, "a refused the lost peer")
+        with b._loop.state_lock:  # b reads nothing, so a's redial stays pending
+            redial = a.connect_async(b.address)
+            _await(a._loop.conns.connecting, a, "a redials b")
+            rejected = a.rejected_messages
+            _intrude(a.address, b.agent_name, [beat])  # b speaking ahead of its reply
+            _await(lambda: bool(a._loop._early) or a.rejected_messages > rejected, a, "a read it")
+            assert a.rejected_messages == rejected
+        assert redial.result(5.0) == b.agent_name
+        _await(lambda: not a._loop._early, a, "a heard the message once b was its peer")
+        a.write("x", b.agent_name, [1], [2])
+        assert any(isinstance(e, TransferDone) for e in until(a, TransferDone))
+        assert a.rejected_messages == rejected
+        assert not any(isinstance(e, PeerLost) for e in b.wait_events(0.5))
     finally:
         a.close()
         b.close()
