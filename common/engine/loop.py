@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from typing import TypeVar
 
 from common.engine.engine import LLMEngine
@@ -38,26 +40,50 @@ def _resolve(future: asyncio.Future[T], result: object, error: BaseException | N
 
 
 class EngineThread:
-    """Steps `engine` on a daemon thread and hands every step's outputs to `publish`."""
+    """Steps an engine on a daemon thread and hands every step's outputs to `publish`.
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        publish: Callable[[list[StepOutput]], None],
-        idle_wait: float = 0.5,
-        step_delay_s: float = 0.0,
-    ) -> None:
-        self.engine = engine
-        self._publish = publish
+    Every torch call of the engine belongs on this one thread, its construction and warm-up
+    included (`run`, before `start`). GNU OpenMP, torch's CPU thread pool, gives each
+    thread that starts a parallel region a team of workers of its own, and a second team's
+    idle workers slow the first one's every region: SmolLM2 in bfloat16 on 2 threads decoded
+    at 110 tokens/s (batch 8) on a thread other than the one that had loaded and warmed it,
+    against 200 on that one (a node with one thread has no team, so it never showed).
+    """
+
+    def __init__(self, idle_wait: float = 0.5, step_delay_s: float = 0.0) -> None:
+        self.engine: LLMEngine | None = None
+        self._publish: Callable[[list[StepOutput]], None] = lambda outputs: None
         self._idle_wait = idle_wait
         self._step_delay_s = step_delay_s  # testing: widen the windows between steps
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
         self.error: BaseException | None = None
 
-    def start(self) -> None:
-        self._thread.start()
+    def run(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on this thread before stepping starts (build the engine, warm it up)."""
+        future: Future[T] = Future()
+
+        def call() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._calls.put(call)
+        self._begin()
+        return future
+
+    def start(self, engine: LLMEngine, publish: Callable[[list[StepOutput]], None]) -> None:
+        """Step `engine` from now on (after any calls `run` queued)."""
+        self.engine, self._publish = engine, publish
+        self._calls.put(None)
+        self._begin()
+
+    def _begin(self) -> None:
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
 
     def wake(self) -> None:
         self._wake.set()
@@ -65,28 +91,36 @@ class EngineThread:
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        self._calls.put(None)  # a thread still waiting for its calls ends, too
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
 
-    def _run(self) -> None:
+    def _main(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call()
+        if self.engine is not None:
+            self._run(self.engine)
+
+    def _run(self, engine: LLMEngine) -> None:
         try:
             busy = False
             while not self._stop.is_set():
-                if not self.engine.has_work():
+                if not engine.has_work():
                     if busy:  # just went idle: the books must balance now
-                        self.engine.check_integrity_when_idle()
+                        engine.check_integrity_when_idle()
                     busy = False
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
                     continue
                 busy = True
-                outputs = self.engine.step()
+                outputs = engine.step()
                 if outputs:
                     self._publish(outputs)
                 if self._step_delay_s:
                     self._stop.wait(self._step_delay_s)
             # Stopping: apply what is still queued (aborts, releases), so blocks are freed.
-            outputs = self.engine.apply_commands()
-            self.engine.check_integrity_when_idle()  # publishes the final state too
+            outputs = engine.apply_commands()
+            engine.check_integrity_when_idle()  # publishes the final state too
             if outputs:
                 self._publish(outputs)
         except BaseException as exc:  # the engine is broken: report, don't hang clients
@@ -103,16 +137,18 @@ class AsyncEngine:
         engine: LLMEngine,
         loop: asyncio.AbstractEventLoop,
         step_delay_s: float = 0.0,
+        thread: EngineThread | None = None,
     ) -> None:
-        """`loop` is the event loop every method of this front runs on."""
+        """`loop` is the event loop every method of this front runs on; `thread`, the one
+        that built `engine` (EngineThread.run), else a new one (with `step_delay_s`)."""
         self.engine = engine
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._loop = loop
-        self._thread = EngineThread(engine, self._publish_threadsafe, step_delay_s=step_delay_s)
+        self._thread = thread if thread is not None else EngineThread(step_delay_s=step_delay_s)
         self.died = asyncio.Event()  # set on this loop once the engine thread died
 
     async def start(self) -> None:
-        self._thread.start()
+        self._thread.start(self.engine, self._publish_threadsafe)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self._thread.stop)

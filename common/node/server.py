@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine, RequestError
-from common.engine.loop import AsyncEngine
+from common.engine.loop import AsyncEngine, EngineThread
 from common.engine.scheduler import OutputKind, StepOutput
 from common.engine.sequence import FinishReason
 from common.node.metrics import NodeMetrics
@@ -130,10 +130,16 @@ class NodeRuntime:
 
     @classmethod
     async def start(cls, config: NodeConfig) -> NodeRuntime:
-        """Load the model (off the event loop) and start the engine thread."""
-        engine = await asyncio.to_thread(LLMEngine, config.engine)
-        # Before /health answers 200: the first request must not pay for first use.
-        seconds = await asyncio.to_thread(engine.warm_up)
+        """Load the model and warm it up on the engine thread (off the event loop; on the
+        thread that will step it, see EngineThread), then start stepping."""
+        thread = EngineThread(step_delay_s=config.debug_step_delay_s)
+        try:
+            engine = await asyncio.wrap_future(thread.run(lambda: LLMEngine(config.engine)))
+            # Before /health answers 200: the first request must not pay for first use.
+            seconds = await asyncio.wrap_future(thread.run(engine.warm_up))
+        except BaseException:
+            thread.stop(timeout=0)  # it ends once the call it runs returns
+            raise
         log.info(
             "engine warmed up in %.2f s (%s kernels on %s)",
             seconds,
@@ -143,9 +149,7 @@ class NodeRuntime:
         fingerprint = Fingerprint.for_kv_cache(engine.kv_cache, engine.weights_hash)
         metrics = NodeMetrics(CollectorRegistry())
         engine.on_step = metrics.observe_step
-        front = AsyncEngine(
-            engine, asyncio.get_running_loop(), step_delay_s=config.debug_step_delay_s
-        )
+        front = AsyncEngine(engine, asyncio.get_running_loop(), thread=thread)
         await front.start()
         engine_id = config.engine_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
         return cls(engine_id, engine, front, fingerprint, metrics, Failure())

@@ -11,7 +11,7 @@ import pytest
 from common.engine.checks import RequestError
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.engine.loop import AsyncEngine
+from common.engine.loop import AsyncEngine, EngineThread
 from common.wire.sampling_params import SamplingParams, StructuredOutput
 
 
@@ -74,3 +74,15 @@ def test_a_constraint_compiles_off_the_event_loop(tiny_model_dir: Path) -> None:
 
     asyncio.run(run())
     assert len(threads) == 2 and threading.get_ident() not in threads
+
+
+def test_an_engine_thread_reports_a_failed_build_and_stops_before_stepping() -> None:
+    """`EngineThread.run` (a node builds and warms its engine there): the call's exception
+    comes back through its future; stopped before `start`, the thread ends."""
+    thread = EngineThread()
+    assert thread.run(lambda: 6 * 7).result(10) == 42
+    with pytest.raises(ZeroDivisionError):
+        thread.run(lambda: 1 / 0).result(10)
+    thread.stop(10)
+    assert not thread._thread.is_alive() and thread.error is None
+    EngineThread().stop(1)  # never started: nothing to end
