@@ -44,10 +44,10 @@ class EngineThread:
 
     Every torch call of the engine belongs on this one thread, its construction and warm-up
     included (`run`, before `start`). GNU OpenMP, torch's CPU thread pool, gives each
-    thread that starts a parallel region a team of workers of its own, and a second team's
-    idle workers slow the first one's every region: SmolLM2 in bfloat16 on 2 threads decoded
-    at 110 tokens/s (batch 8) on a thread other than the one that had loaded and warmed it,
-    against 200 on that one (a node with one thread has no team, so it never showed).
+    thread that starts a parallel region a team of workers of its own, and a second team
+    slows the first one's every region: SmolLM2 in bfloat16 on 2 threads decoded at 110
+    tokens/s (batch 8) on a thread other than the one that had loaded and warmed it, against
+    200 on that one (a node with one thread has no team, so it never showed).
     """
 
     def __init__(self, idle_wait: float = 0.5, step_delay_s: float = 0.0) -> None:
@@ -82,7 +82,7 @@ class EngineThread:
         self._begin()
 
     def _begin(self) -> None:
-        if not self._thread.is_alive() and self._thread.ident is None:
+        if self._thread.ident is None:  # not started yet
             self._thread.start()
 
     def wake(self) -> None:
