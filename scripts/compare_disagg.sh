@@ -90,6 +90,13 @@
 #                             COMPARE_STATIC_ARGS (1p1d-static), COMPARE_COLOCATED_1X2_ARGS,
 #                             COMPARE_COLOCATED_2X1_ARGS
 #   COMPARE_STARTUP_TIMEOUT_S per deployment (default 240)
+#   COMPARE_SPEED_PROBE       1 (default): before each deployment starts, time the engine
+#                             offline on one thread pinned to the first core
+#                             (scripts/bench_engine.py: decode batch 8, a COMPARE_LONG_INPUT
+#                             prefill; the dtype of COMPARE_UP_ARGS; ~20 s) into
+#                             NAME/speed-probe.json, which the report's "Machine speed"
+#                             section compares: a shared machine's speed drifts between
+#                             deployments. 0: no probe
 #   PDSERVE_PYTHON            the Python with pdserve installed (default .venv/bin/python if
 #                             present, else python3); run from this checkout (PYTHONPATH)
 set -euo pipefail
@@ -150,6 +157,14 @@ attainment="${COMPARE_GOODPUT_ATTAINMENT:-0.9}"
 seed="${COMPARE_SEED:-0}"
 read -ra up_extra <<< "${COMPARE_UP_ARGS:-}"
 startup_timeout="${COMPARE_STARTUP_TIMEOUT_S:-240}"
+speed_probe="${COMPARE_SPEED_PROBE:-1}"
+probe_args=()  # the deployments' --dtype, for the speed probe
+for ((i = 0; i < ${#up_extra[@]}; i++)); do
+    case "${up_extra[i]}" in
+        --dtype) probe_args=(--dtype "${up_extra[i + 1]:-}") ;;
+        --dtype=*) probe_args=("${up_extra[i]}") ;;
+    esac
+done
 stop_grace=60        # seconds for `pdserve up` to drain and stop its nodes after SIGTERM
 request_timeout=120  # per request; the drain at the end of a run waits no longer either
 
@@ -241,6 +256,20 @@ start_deployment() {
     grep -E '^  (both|prefill|decode)-' "$dir/up.log" >&2 || true
 }
 
+probe() {  # probe NAME: the machine's speed now, into $out/NAME/speed-probe.json
+    local name="$1" dir="$out/$1" cpu
+    cpu="$("$py" -c 'import os; print(min(os.sched_getaffinity(0)))')"
+    say "$name: speed probe (the engine offline, one thread on CPU $cpu)"
+    if ! taskset -c "$cpu" "$py" scripts/bench_engine.py --no-transformers --model "$model" \
+        --threads 1 --batches 8 --sampled-batch 0 --prompt-len 64 --output-len 32 \
+        --prefill-len "$long_input" --repeats 1 ${probe_args[@]+"${probe_args[@]}"} \
+        --json "$dir/speed-probe.json" >"$dir/speed-probe.txt" 2>&1; then
+        say "$name: the speed probe failed (the end of $dir/speed-probe.txt below); no probe"
+        tail -n 5 "$dir/speed-probe.txt" >&2
+        rm -f "$dir/speed-probe.json"
+    fi
+}
+
 client_args() {  # sets `common`: the bench-serve flags every run against $url shares
     # --reset-prefix-cache: every run (the fixed-rate one, each of a search's) starts with
     # cold caches, although it re-sends the dataset's prompts (the first search runs without
@@ -305,6 +334,7 @@ run_args=()
 described=()
 for name in "${selected[@]}"; do
     deployment "$name"
+    if [[ "$speed_probe" != 0 ]]; then probe "$name"; fi
     start_deployment "$name" "${flags[@]}"
     bench "$name"
     if (( goodput )); then search "$name"; fi

@@ -18,6 +18,12 @@ defines it: per deployment the highest rate at which >= 90% of requests met both
 and the TPOT objective, its bracket and attainment curve, who wins, and every curve in one
 plot (`goodput.png` beside the report).
 
+Where a run directory holds a speed probe (`speed-probe.json`: `scripts/bench_engine.py
+--json` on one thread, which `compare_disagg.sh` runs before starting each deployment), a
+section on the machine's speed: each probe's decode and prefill tokens/s and the spread
+between the slowest and the fastest, which the goal section repeats. A shared machine's
+speed drifts; two deployments that differ by less than that spread differ by the machine.
+
 The goal (issue 15): the best disaggregated run's goodput (DistServe) at least
 `--goal-goodput-ratio` (1.5) times the better colocated run's, and its decode ITL p99 (from
 the fixed-rate run) at most `--goal-itl-ratio` (0.5) times that colocated run's. "Best" and
@@ -51,6 +57,7 @@ from proxy.bench.stats import distribution
 TIE = 0.05  # relative difference under which runs tie
 KINDS = ("colocated", "disagg")
 SEARCH_FILE = Path("goodput") / "search.json"
+PROBE_FILE = Path("speed-probe.json")
 COLUMNS = (
     ("done/sent", lambda r: f"{r['completed']}/{r['sent']}"),
     ("req/s", lambda r: _num(r["request_throughput"])),
@@ -97,6 +104,7 @@ class Run:
     spec: RunSpec
     bench: dict[str, Any]
     search: dict[str, Any] | None
+    probe: dict[str, Any] | None = None  # the machine's speed before the run, if probed
 
     @property
     def label(self) -> str:
@@ -194,8 +202,77 @@ def load_runs(specs: list[RunSpec]) -> list[Run]:
     if missing and len(missing) != len(paths):
         raise ValueError(f"a goodput search for some deployments only: no {', '.join(missing)}")
     return [
-        Run(s, _load(s.dir / "bench.json"), None if missing else _load(p))
+        Run(s, _load(s.dir / "bench.json"), None if missing else _load(p), _probe(s.dir))
         for s, p in zip(specs, paths, strict=True)
+    ]
+
+
+def _probe(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / PROBE_FILE
+    return _load(path) if path.exists() else None
+
+
+def _probe_rate(probe: dict[str, Any], what: str) -> tuple[int, float] | None:
+    """(size, pdserve tokens/s) of the probe's first `what` row ("decode" or "prefill")."""
+    for row in probe.get("rows", []):
+        if row.get("what") == what and math.isfinite(row.get("pdserve_tok_s", math.nan)):
+            return int(row["size"]), float(row["pdserve_tok_s"])
+    return None
+
+
+def speed_spread(runs: list[Run], what: str) -> float | None:
+    """How far the slowest probe's `what` rate is below the fastest's (0.1: 10% slower);
+    None with fewer than two probes."""
+    rates = [r[1] for run in runs if run.probe and (r := _probe_rate(run.probe, what))]
+    return None if len(rates) < 2 else 1 - min(rates) / max(rates)
+
+
+def _spread_text(runs: list[Run]) -> str | None:
+    """ "decode 5%, prefill 3%": the slowest probe below the fastest; None below two probes."""
+    parts = [
+        f"{what} {spread:.0%}"
+        for what in ("decode", "prefill")
+        if (spread := speed_spread(runs, what)) is not None
+    ]
+    return ", ".join(parts) or None
+
+
+def _speed_lines(runs: list[Run]) -> list[str]:
+    probed = [run for run in runs if run.probe is not None]
+    if not probed:
+        return []
+    first = probed[0].probe or {}
+    lines = [
+        "## Machine speed",
+        "",
+        f"Before each deployment started, with nothing else of the comparison running: "
+        f"pdserve's engine offline (`scripts/bench_engine.py`), {first.get('dtype', '?')}, "
+        f"{first.get('threads', '?')} thread(s) pinned to the first core. A shared machine's "
+        "speed drifts; deployments that differ by less than the spread below may differ only "
+        "by the machine.",
+        "",
+        "| deployment | decode tok/s | prefill tok/s |",
+        "|---|---:|---:|",
+    ]
+    for run in probed:
+        cells = []
+        for what in ("decode", "prefill"):
+            got = _probe_rate(run.probe or {}, what)
+            cells.append("-" if got is None else f"{got[1]:.1f} ({what} {got[0]})")
+        lines.append(f"| {run.label} | {cells[0]} | {cells[1]} |")
+    spread = _spread_text(runs)
+    lines += ["", f"Spread, the slowest probe below the fastest: {spread or '-'}."]
+    if missing := [run.label for run in runs if run.probe is None]:
+        lines[-1] += f" Not probed: {', '.join(missing)}."
+    return lines + [""]
+
+
+def _speed_under_goal(runs: list[Run]) -> list[str]:
+    if (spread := _spread_text(runs)) is None:
+        return []
+    return [
+        f"- not judged, the machine's speed: the slowest speed probe below the fastest by "
+        f"{spread} (see Machine speed)"
     ]
 
 
@@ -295,6 +372,7 @@ def _itl_split_lines(runs: list[Run]) -> list[str]:
 def render(runs: list[Run], out: Path, context: list[str], goal: Goal | None = None) -> str:
     lines = _setup_lines(runs, context)
     lines += render_goal(runs, goal or Goal())
+    lines += _speed_lines(runs)
     lines += _results_lines(runs)
     lines += _itl_split_lines(runs)
     if runs[0].search is not None:
@@ -380,6 +458,7 @@ def render_goal(runs: list[Run], goal: Goal) -> list[str]:
         f"- decode ITL p99: {d.label} {_ms(d.itl_p99)} / {c.label} {_ms(c.itl_p99)} = "
         f"{i_text} (<= {goal.itl_ratio:g}x: {i_met})",
         *_itl_under_load(d, c),
+        *_speed_under_goal(runs),
         "",
         f"**Goal {overall}** ({d.label} against {c.label}).",
         "",

@@ -250,6 +250,36 @@ def test_report_goal_met_best_disagg_against_better_colocated(tmp_path: Path) ->
     ]
 
 
+def _probe(run_dir: Path, decode: float, prefill: float | None) -> None:
+    """A speed probe as `bench_engine.py --json` writes it (prefill None: no such row)."""
+    rows = [{"what": "decode", "size": 8, "pdserve_tok_s": decode, "transformers_tok_s": None}]
+    if prefill is not None:
+        rows.append({"what": "prefill", "size": 800, "pdserve_tok_s": prefill})
+    doc = {"model": "smollm2-135m", "dtype": "float32", "threads": 1, "rows": rows}
+    (run_dir / "speed-probe.json").write_text(json.dumps(doc))
+
+
+def test_report_states_the_machine_speed_before_each_deployment(tmp_path: Path) -> None:
+    argv = _deployments(tmp_path / "four", FOUR)
+    assert "Machine speed" not in _report(argv, tmp_path / "none.md")  # no probes, no section
+    speeds = {"colo-1x2": (100.0, 400.0), "colo-2x1": (90.0, 440.0), "static": (80.0, None)}
+    for name, (decode, prefill) in speeds.items():
+        _probe(tmp_path / "four" / name, decode, prefill)
+    text = _report(argv, tmp_path / "report.md")
+    assert _rows(text, "Machine speed") == [
+        "| colo-1x2 | 100.0 (decode 8) | 400.0 (prefill 800) |",
+        "| colo-2x1 | 90.0 (decode 8) | 440.0 (prefill 800) |",
+        "| static | 80.0 (decode 8) | - |",
+    ]
+    assert "float32, 1 thread(s) pinned to the first core" in text
+    body = text.split("## Machine speed\n")[1].split("\n## ")[0]
+    assert "slowest probe below the fastest: decode 20%, prefill 9%. Not probed: auto." in body
+    assert (
+        "- not judged, the machine's speed: the slowest speed probe below the fastest by "
+        "decode 20%, prefill 9% (see Machine speed)"
+    ) in _goal(text)
+
+
 def test_report_goal_not_met_on_either_ratio(tmp_path: Path) -> None:
     close_itl = FOUR | {"colo-2x1": ("colocated", 0.030, 2.0)}  # 20 / 30 ms
     text = _report(_deployments(tmp_path / "itl", close_itl), tmp_path / "itl.md")
