@@ -405,7 +405,10 @@ def _check(num: float | None, den: float | None, bound: float, at_least: bool) -
     if num is None or den is None:
         return "n/a", "not judged"
     ratio = num / den if den else (math.inf if num > 0 else math.nan)
-    met = ratio >= bound if at_least else ratio <= bound
+    # A ratio on the bound is on it: 2.4 / 1.6 is 1.4999999999999998 in binary floating point,
+    # and the rates are decimal search steps, so compare within a rounding error of the bound.
+    on_bound = math.isfinite(ratio) and math.isclose(ratio, bound, rel_tol=1e-9)
+    met = on_bound or (ratio >= bound if at_least else ratio <= bound)
     text = f"{ratio:.2f}x" if math.isfinite(ratio) else "no finite ratio"
     return text, "met" if met else "not met"
 

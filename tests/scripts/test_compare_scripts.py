@@ -296,6 +296,17 @@ def test_report_goal_not_met_on_either_ratio(tmp_path: Path) -> None:
     assert "**Goal not met** (auto against colo-2x1)." in text
 
 
+def test_report_goal_ratio_on_the_bound_is_met() -> None:
+    """2.4 / 1.6 is 1.4999999999999998 in floating point (session 32's G20 was judged "not
+    met" by it); a ratio on the bound is on it, either way round."""
+    check = _script("compare_report")._check
+    assert check(2.4, 1.6, 1.5, True) == ("1.50x", "met")
+    assert check(2.3, 1.6, 1.5, True) == ("1.44x", "not met")
+    assert check(0.3, 0.6, 0.5, False) == ("0.50x", "met")
+    assert check(0.31, 0.6, 0.5, False) == ("0.52x", "not met")
+    assert check(1.0, 0.0, 1.5, True) == ("no finite ratio", "met")
+
+
 def test_report_goal_not_judged_without_both_kinds(tmp_path: Path) -> None:
     only = {k: v for k, v in FOUR.items() if k.startswith("colo")}
     text = _report(_deployments(tmp_path / "colo", only), tmp_path / "report.md")
