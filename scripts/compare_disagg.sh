@@ -97,6 +97,14 @@
 #                             NAME/speed-probe.json, which the report's "Machine speed"
 #                             section compares: a shared machine's speed drifts between
 #                             deployments. 0: no probe
+#   COMPARE_CAPACITY_PROBE    1 (default): once, before the first deployment, the engine
+#                             offline on one thread pinned to the first core serves the
+#                             workload's first COMPARE_CAPACITY_REQUESTS requests (default
+#                             100; the search's dataset with --goodput) all at once
+#                             (scripts/workload_capacity.py; ~70 s on the real model in
+#                             float32) into capacity.json: requests/s per core with no
+#                             latency objective, a ceiling the report measures every
+#                             goodput against. 0: none
 #   PDSERVE_PYTHON            the Python with pdserve installed (default .venv/bin/python if
 #                             present, else python3); run from this checkout (PYTHONPATH)
 set -euo pipefail
@@ -158,6 +166,8 @@ seed="${COMPARE_SEED:-0}"
 read -ra up_extra <<< "${COMPARE_UP_ARGS:-}"
 startup_timeout="${COMPARE_STARTUP_TIMEOUT_S:-240}"
 speed_probe="${COMPARE_SPEED_PROBE:-1}"
+capacity_probe="${COMPARE_CAPACITY_PROBE:-1}"
+capacity_requests="${COMPARE_CAPACITY_REQUESTS:-100}"
 probe_args=()  # the deployments' --dtype, for the speed probe
 for ((i = 0; i < ${#up_extra[@]}; i++)); do
     case "${up_extra[i]}" in
@@ -270,6 +280,19 @@ probe() {  # probe NAME: the machine's speed now, into $out/NAME/speed-probe.jso
     fi
 }
 
+capacity() {  # capacity DATASET: the workload's throughput ceiling, into $out/capacity.json
+    local data="$1" cpu
+    cpu="$("$py" -c 'import os; print(min(os.sched_getaffinity(0)))')"
+    say "capacity probe: the engine offline, one thread on CPU $cpu, $capacity_requests requests at once"
+    if ! taskset -c "$cpu" "$py" scripts/workload_capacity.py --model "$model" --threads 1 \
+        --data "$data" --requests "$capacity_requests" ${probe_args[@]+"${probe_args[@]}"} \
+        --json "$out/capacity.json" >"$out/capacity.txt" 2>&1; then
+        say "the capacity probe failed (the end of $out/capacity.txt below); no ceiling"
+        tail -n 5 "$out/capacity.txt" >&2
+        rm -f "$out/capacity.json"
+    fi
+}
+
 client_args() {  # sets `common`: the bench-serve flags every run against $url shares
     # --reset-prefix-cache: every run (the fixed-rate one, each of a search's) starts with
     # cold caches, although it re-sends the dataset's prompts (the first search runs without
@@ -329,6 +352,14 @@ if (( goodput )) && [[ -n "$search_duration" ]]; then
 fi
 cpus="$("$py" -c 'import os; print(len(os.sched_getaffinity(0)))')"
 loadavg=()
+rm -f "$out/capacity.json"
+if [[ "$capacity_probe" != 0 ]]; then
+    if [[ -f "$search_dataset" ]] && (( goodput )) && [[ -n "$search_duration" ]]; then
+        capacity "$search_dataset"
+    else
+        capacity "$dataset"
+    fi
+fi
 
 run_args=()
 described=()
@@ -356,5 +387,10 @@ fi
 if (( quick )); then context=("**quick smoke run: too few requests for stable p99s**" "${context[@]}"); fi
 ctx_args=()
 for line in "${context[@]}"; do ctx_args+=(--context "$line"); done
-"$py" scripts/compare_report.py "${run_args[@]}" --out "$out/report.md" "${ctx_args[@]}"
+capacity_args=()
+if [[ -f "$out/capacity.json" ]]; then
+    capacity_args=(--capacity "$out/capacity.json" --capacity-cores 2)  # the nodes' two cores
+fi
+"$py" scripts/compare_report.py "${run_args[@]}" --out "$out/report.md" "${ctx_args[@]}" \
+    ${capacity_args[@]+"${capacity_args[@]}"}
 say "report: $out/report.md"

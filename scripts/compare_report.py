@@ -24,6 +24,13 @@ section on the machine's speed: each probe's decode and prefill tokens/s and the
 between the slowest and the fastest, which the goal section repeats. A shared machine's
 speed drifts; two deployments that differ by less than that spread differ by the machine.
 
+With `--capacity FILE` (`scripts/workload_capacity.py --json`, which `compare_disagg.sh` runs
+once before the first deployment: the engine offline on one thread serving the workload's
+requests all at once, no latency objective), a section on the machine's capacity: that
+throughput times `--capacity-cores` is a ceiling no deployment on those cores sustains, and
+each goodput is given as a share of it; the goal section repeats the ceiling over the better
+colocated goodput (the most any deployment could reach over it on this machine), not judged.
+
 The goal (issue 15): the best disaggregated run's goodput (DistServe) at least
 `--goal-goodput-ratio` (1.5) times the better colocated run's, and its decode ITL p99 (from
 the fixed-rate run) at most `--goal-itl-ratio` (0.5) times that colocated run's. "Best" and
@@ -276,6 +283,79 @@ def _speed_under_goal(runs: list[Run]) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """The workload's throughput ceiling: one engine thread's offline requests/s, and the
+    cores the deployments' nodes share."""
+
+    doc: dict[str, Any]
+    cores: int
+
+    @property
+    def per_core(self) -> float:
+        return float(self.doc["requests_per_s"])
+
+    @property
+    def ceiling(self) -> float:
+        return self.per_core * self.cores
+
+
+def load_capacity(path: Path | None, cores: int) -> Capacity | None:
+    if path is None:
+        return None
+    if cores < 1:
+        raise ValueError(f"--capacity-cores must be >= 1, got {cores}")
+    doc = _load(path)
+    rps = doc.get("requests_per_s")
+    if not isinstance(rps, int | float) or not math.isfinite(rps) or rps <= 0:
+        raise ValueError(f"{path}: no positive requests_per_s")
+    return Capacity(doc, cores)
+
+
+def _capacity_lines(runs: list[Run], capacity: Capacity | None) -> list[str]:
+    if capacity is None:
+        return []
+    doc = capacity.doc
+    lines = [
+        "## Machine capacity",
+        "",
+        f"Before the first deployment, with nothing else of the comparison running: pdserve's "
+        f"engine offline (`scripts/workload_capacity.py`), {doc.get('dtype', '?')}, "
+        f"{doc.get('threads', '?')} thread(s) pinned to the first core, served "
+        f"{doc.get('requests', '?')} of the workload's requests ({doc.get('prompt_tokens', '?')} "
+        f"prompt and {doc.get('output_tokens', '?')} output tokens) all at once, with no latency "
+        f"objective, in {float(doc.get('wall_s', math.nan)):.1f} s: "
+        f"**{capacity.per_core:.2f} req/s per core**. No deployment on the nodes' "
+        f"{capacity.cores} cores sustains more than {capacity.cores} x that, "
+        f"**{capacity.ceiling:.2f} req/s**, however it places the work (the proxy and the "
+        "client take some of the same cores); one held to latency objectives sustains less, "
+        "since its queues must stay short.",
+        "",
+    ]
+    if runs[0].search is None:
+        return lines
+    lines += [
+        "| deployment | goodput (DistServe) req/s | share of the ceiling |",
+        "|---|---:|---:|",
+    ]
+    for run in runs:
+        g = _goodput(run)
+        lines.append(f"| {run.label} | {g:g} | {g / capacity.ceiling:.0%} |")
+    return lines + [""]
+
+
+def _capacity_under_goal(d: Run, c: Run, capacity: Capacity | None) -> list[str]:
+    if capacity is None or not _goodput(c) > 0:
+        return []
+    ceiling = capacity.ceiling
+    return [
+        f"- not judged, the machine's ceiling: {ceiling:.2f} req/s (see Machine capacity) / "
+        f"{c.label} {_goodput(c):g} req/s = {ceiling / _goodput(c):.2f}x, the most any "
+        f"deployment could reach over {c.label} on this machine; {d.label} reached "
+        f"{_goodput(d) / ceiling:.0%} of the ceiling, {c.label} {_goodput(c) / ceiling:.0%}"
+    ]
+
+
 def _setup_lines(runs: list[Run], context: list[str]) -> list[str]:
     first = runs[0].bench
     cfg = first["config"]
@@ -369,10 +449,17 @@ def _itl_split_lines(runs: list[Run]) -> list[str]:
     return [*lines, ""]
 
 
-def render(runs: list[Run], out: Path, context: list[str], goal: Goal | None = None) -> str:
+def render(
+    runs: list[Run],
+    out: Path,
+    context: list[str],
+    goal: Goal | None = None,
+    capacity: Capacity | None = None,
+) -> str:
     lines = _setup_lines(runs, context)
-    lines += render_goal(runs, goal or Goal())
+    lines += render_goal(runs, goal or Goal(), capacity)
     lines += _speed_lines(runs)
+    lines += _capacity_lines(runs, capacity)
     lines += _results_lines(runs)
     lines += _itl_split_lines(runs)
     if runs[0].search is not None:
@@ -433,7 +520,7 @@ def _goodput_check(d: Run, c: Run, goal: Goal) -> tuple[str, str]:
     return f"{line} (>= {goal.goodput_ratio:g}x: {met})", met
 
 
-def render_goal(runs: list[Run], goal: Goal) -> list[str]:
+def render_goal(runs: list[Run], goal: Goal, capacity: Capacity | None = None) -> list[str]:
     """Issue 15's goal line: the two ratios, each met or not, and the goal as a whole."""
     lines = [
         "## Goal",
@@ -462,6 +549,7 @@ def render_goal(runs: list[Run], goal: Goal) -> list[str]:
         f"{i_text} (<= {goal.itl_ratio:g}x: {i_met})",
         *_itl_under_load(d, c),
         *_speed_under_goal(runs),
+        *_capacity_under_goal(d, c, capacity),
         "",
         f"**Goal {overall}** ({d.label} against {c.label}).",
         "",
@@ -644,6 +732,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--goal-itl-ratio", type=float, default=Goal.itl_ratio)
     p.add_argument("--out", type=Path, required=True, help="the Markdown file to write")
     p.add_argument("--context", action="append", default=[], help="a setup line (repeatable)")
+    p.add_argument(
+        "--capacity", type=Path, default=None, help="scripts/workload_capacity.py's JSON"
+    )
+    p.add_argument(
+        "--capacity-cores", type=int, default=2, help="cores the nodes share: %(default)s"
+    )
     return p
 
 
@@ -665,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error("give at least one --run (or --colocated / --disagg)")
         runs = load_runs(specs)
         goal = Goal(args.goal_goodput_ratio, args.goal_itl_ratio)
-        text = render(runs, args.out, args.context, goal)
+        capacity = load_capacity(args.capacity, args.capacity_cores)
+        text = render(runs, args.out, args.context, goal, capacity)
     except ValueError as e:
         print(f"compare_report: {e}", file=sys.stderr)
         return 2

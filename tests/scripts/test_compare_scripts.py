@@ -307,6 +307,59 @@ def test_report_goal_ratio_on_the_bound_is_met() -> None:
     assert check(1.0, 0.0, 1.5, True) == ("no finite ratio", "met")
 
 
+def test_report_measures_every_goodput_against_the_machines_capacity(tmp_path: Path) -> None:
+    argv = _deployments(tmp_path / "four", FOUR)
+    assert "Machine capacity" not in _report(argv, tmp_path / "none.md")  # no file, no section
+    doc = {"dtype": "float32", "threads": 1, "requests": 100, "prompt_tokens": 20000}
+    doc |= {"output_tokens": 5000, "wall_s": 20.0, "requests_per_s": 5.0}
+    capacity = tmp_path / "capacity.json"
+    capacity.write_text(json.dumps(doc))
+    text = _report([*argv, "--capacity", str(capacity)], tmp_path / "report.md")
+    body = text.split("## Machine capacity\n")[1].split("\n## ")[0]
+    assert "served 100 of the workload's requests (20000 prompt and 5000 output tokens)" in body
+    assert "in 20.0 s: **5.00 req/s per core**" in body
+    assert "more than 2 x that, **10.00 req/s**" in body
+    assert _rows(text, "Machine capacity") == [
+        "| colo-1x2 | 1.5 | 15% |", "| colo-2x1 | 2 | 20% |", "| static | 5 | 50% |",
+        "| auto | 5 | 50% |",
+    ]  # fmt: skip
+    assert (
+        "- not judged, the machine's ceiling: 10.00 req/s (see Machine capacity) / colo-2x1 "
+        "2 req/s = 5.00x, the most any deployment could reach over colo-2x1 on this machine; "
+        "auto reached 50% of the ceiling, colo-2x1 20%"
+    ) in _goal(text)
+    assert "**Goal met** (auto against colo-2x1)." in text  # the ceiling judges nothing
+
+    text = _report([*argv, "--capacity", str(capacity), "--capacity-cores", "1"], tmp_path / "1.md")
+    assert "more than 1 x that, **5.00 req/s**" in text and "| auto | 5 | 100% |" in text
+    capacity.write_text(json.dumps(doc | {"requests_per_s": 0}))
+    report = _script("compare_report")
+    assert report.main([*argv, "--capacity", str(capacity), "--out", str(tmp_path / "r.md")]) == 2
+
+
+def test_workload_capacity_serves_every_request_of_the_dataset_at_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    data = tmp_path / "mixed.jsonl"
+    lines = [{"prompt": "the quick brown fox " * n, "max_tokens": m} for n, m in [(2, 5), (40, 3)]]
+    lines += [{"prompt": "jumps over the lazy dog", "max_tokens": 7}] * 4
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "capacity.json"
+    argv = ["--model", str(tiny_model_dir), "--data", str(data), "--requests", "5"]
+    threads = torch.get_num_threads()
+    try:
+        assert _script("workload_capacity").main([*argv, "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the script sets the process's torch threads
+    doc = json.loads(out.read_text())
+    assert doc["requests"] == 5 and doc["output_tokens"] == 5 + 3 + 7 * 3  # the first 5 lines
+    assert doc["threads"] == 1 and doc["dtype"] == "float32" and doc["prompt_tokens"] > 40
+    assert doc["requests_per_s"] == pytest.approx(5 / doc["wall_s"])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert _script("workload_capacity").main([*argv[:2], "--data", str(empty)]) == 2
+
+
 def test_report_goal_not_judged_without_both_kinds(tmp_path: Path) -> None:
     only = {k: v for k, v in FOUR.items() if k.startswith("colo")}
     text = _report(_deployments(tmp_path / "colo", only), tmp_path / "report.md")
