@@ -201,6 +201,14 @@ class Node:
         slots = cap.max_num_seqs - cap.running - cap.reserved - self.sent_requests
         return slots > 0, free
 
+    def decode_streams(self) -> int:
+        """The sequences the node decodes, or will once their KV lands (running and
+        reserved as last seen, plus what was sent since): the streams a local prefill
+        there holds up for one step."""
+        cap = self.state.capacity if self.state is not None else None
+        seen = cap.running + cap.reserved if cap is not None else 0
+        return seen + self.sent_requests
+
     def decode_spare(self) -> tuple[int, int, int] | None:
         """(free sequence slots, free blocks, block size) as last seen less what was sent
         since; None while the node has not reported its capacity."""

@@ -5,20 +5,32 @@ Disaggregation keeps long prefills out of decode steps, but it is not free for e
 a short prompt waits behind the prefill pool's queue (a 1,000-token prompt computing there
 holds it for seconds) and its KV then crosses the network, where the decode node could have
 computed it in one step. As vLLM's early conditional disaggregation and Dynamo's local-prefill
-threshold do, `auto` sends a prompt straight to a decode node when that is estimated to give
-an earlier first token and the prompt is short enough not to stall the decode node's running
-sequences for long:
+threshold do, `auto` sends a prompt straight to a decode node when that gives an earlier
+first token by more than the local prefill costs the decode node's other streams, and the
+prompt is short enough not to stall them for long:
 
     local  iff  a decode node has a free slot and blocks for the prompt,
                 its uncached tokens <= local_max_tokens (the stall bound), and
-                its estimated TTFT < the prefill pool's best estimate
+                gain > cost, where
+                gain = the prefill pool's best TTFT estimate - the decode node's
+                cost = the streams that node decodes x this prompt's prefill time there
 
-with both estimates from the router (router.py): (queued prompt tokens + this prompt's
+with the estimates from the router (router.py): (queued prompt tokens + this prompt's
 uncached tokens there) / the node's measured prefill rate (a decode node that has not
-prefilled yet borrows the prefill pool's rate). A short or mostly cached prompt (the decode
-node caches every prompt it decoded, and a chat's earlier answers) and a long prefill queue
-favour local; an idle prefill pool wins ties, since a local prefill slows the decode node's
-other streams. With no healthy prefill node, `auto` prefills locally rather than fail.
+prefilled yet borrows the prefill pool's rate). Each of the node's streams waits one step
+longer by the prompt's prefill time, so `cost` is what they lose in all and `gain` what the
+prompt wins: the choice that costs less latency in total. A short or mostly cached prompt
+(the decode node caches every prompt it decoded, and a chat's earlier answers) and a long
+prefill queue favour local, a busy decode node the prefill pool; an idle prefill pool wins
+ties. Where the decode pool has several nodes with room, the one with the smallest estimate
+plus cost is the candidate. With no healthy prefill node, `auto` prefills locally rather than
+fail.
+
+Without the cost (session 35, in bfloat16, TTFT <= 5 s and TPOT <= 100 ms), `auto` prefilled
+nearly every short prompt locally whenever one long prompt was computing on the prefill
+node: a 48-token prefill adds 65-110 ms to a decode step on one core, the decode node's
+TPOT p50 rose from 48 to 74 ms, and its goodput fell to half of static disaggregation's,
+every miss a TPOT miss, while the prefill node it relieved had headroom.
 
     always  every prompt on the prefill pool (static disaggregation)
     never   every prompt on a decode node (the decode pool serves colocated)
@@ -44,7 +56,15 @@ class DisaggMode(str, Enum):
 
 
 DISAGG_MODES = tuple(m.value for m in DisaggMode)
-REASONS = ("mode", "earlier", "not_earlier", "too_long", "no_room", "no_prefill_node")
+REASONS = (
+    "mode",
+    "earlier",
+    "not_earlier",
+    "stalls_decode",
+    "too_long",
+    "no_room",
+    "no_prefill_node",
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +86,8 @@ class Placement:
     reason: str  # one of REASONS
     mode: DisaggMode
     remote: Decision | None  # the prefill pool's pick (None: no healthy prefill node)
-    local_best: Estimate | None  # the decode node with room and the lowest estimate
+    local_best: Estimate | None  # the decode node with room and the lowest estimate + cost
+    cost_s: float = 0.0  # auto: what prefilling on local_best costs its streams, in all
 
     def __post_init__(self) -> None:
         assert self.reason in REASONS, self.reason
@@ -79,6 +100,8 @@ class Placement:
         parts = [f"{self.mode.value}: {where} ({self.reason})"]
         if self.local_best is not None:
             parts.append(f"decode {self.local_best.describe()}")
+            if self.cost_s:
+                parts.append(f"cost to its streams {self.cost_s * 1000:.0f} ms")
         if self.remote is not None:
             parts.append(f"prefill {self.remote.chosen.describe()}")
         return "; ".join(parts)
@@ -88,13 +111,13 @@ def place(config: PlacementConfig, remote: Decision | None, local: list[Estimate
     """Where to prefill, given the prefill pool's pick (`remote`, None if the pool has no
     healthy node) and the estimates of the decode nodes with room for the prompt (`local`).
     Raises ValueError when neither is possible."""
-    best = min(local, key=lambda e: e.ttft_s) if local else None
+    best = min(local, key=lambda e: e.ttft_s + stall_cost(e)) if local else None
     if remote is None and best is None:
         raise ValueError("no prefill node and no decode node with room")
     mode = config.mode
 
-    def decide(is_local: bool, reason: str) -> Placement:
-        return Placement(is_local, reason, mode, remote, best)
+    def decide(is_local: bool, reason: str, cost: float = 0.0) -> Placement:
+        return Placement(is_local, reason, mode, remote, best, cost)
 
     if mode is DisaggMode.ALWAYS or best is None:
         return decide(False, "mode" if mode is DisaggMode.ALWAYS else "no_room")
@@ -102,9 +125,18 @@ def place(config: PlacementConfig, remote: Decision | None, local: list[Estimate
         return decide(True, "mode" if mode is DisaggMode.NEVER else "no_prefill_node")
     if best.uncached > config.local_max_tokens:
         return decide(False, "too_long")
-    if best.ttft_s < remote.chosen.ttft_s:
-        return decide(True, "earlier")
-    return decide(False, "not_earlier")
+    gain, cost = remote.chosen.ttft_s - best.ttft_s, stall_cost(best)
+    if gain <= 0:
+        return decide(False, "not_earlier", cost)
+    if gain <= cost:
+        return decide(False, "stalls_decode", cost)
+    return decide(True, "earlier", cost)
+
+
+def stall_cost(e: Estimate) -> float:
+    """Seconds of latency a local prefill of `e`'s prompt adds to decode node `e.node`'s
+    streams, in all: each waits one step longer by the prompt's prefill time."""
+    return e.node.decode_streams() * e.uncached / e.rate
 
 
 def has_room(e: Estimate) -> bool:

@@ -45,6 +45,34 @@ def test_an_idle_prefill_pool_wins_a_tie() -> None:
     assert not p.local and p.reason == "not_earlier"
 
 
+def busy(url: str, streams: int, queued: int, prompt: int) -> Estimate:
+    """A decode node's estimate while it decodes `streams` sequences."""
+    e = estimate(url, Role.DECODE, queued, prompt)
+    for _ in range(streams):
+        e.node.sent(0, kv_tokens=64)
+    assert e.node.decode_streams() == streams
+    return e
+
+
+def test_a_local_prefill_that_would_cost_the_decode_nodes_streams_more_than_it_saves() -> None:
+    # 48 tokens in 120 ms locally hold up 8 streams: 960 ms in all, against 500 ms saved
+    # (the prefill node's 200 queued tokens).
+    p = place(AUTO, remote(200, 48), [busy("http://d", 8, 0, 48)])
+    assert not p.local and p.reason == "stalls_decode"
+    assert p.cost_s == pytest.approx(0.96)
+    assert "cost to its streams 960 ms" in p.detail()
+    # Behind a long prefill queue (3 s saved) the same prompt goes local.
+    p = place(AUTO, remote(1200, 48), [busy("http://d", 8, 0, 48)])
+    assert p.local and p.reason == "earlier" and p.cost_s == pytest.approx(0.96)
+
+
+def test_the_decode_node_whose_streams_lose_least_is_the_candidate() -> None:
+    crowded = busy("http://d1", 12, 0, 48)  # 120 ms + 12 x 120 ms
+    quiet = busy("http://d2", 2, 40, 48)  # 220 ms + 2 x 120 ms
+    p = place(AUTO, remote(1200, 48), [crowded, quiet])
+    assert p.local and p.local_best is quiet
+
+
 def test_a_long_uncached_prompt_goes_to_the_prefill_pool_however_long_its_queue() -> None:
     p = place(AUTO, remote(5000, 800), [estimate("http://d", Role.DECODE, 0, 800)])
     assert not p.local and p.reason == "too_long"
