@@ -198,8 +198,7 @@ class Node:
         free = self.state.free_blocks() - -(-self.load.kv_tokens // block_size)
         if cap is None or cap.max_num_seqs <= 0:
             return True, free
-        slots = cap.max_num_seqs - cap.running - cap.reserved - self.sent_requests
-        return slots > 0, free
+        return cap.max_num_seqs - self.decode_streams() > 0, free
 
     def decode_streams(self) -> int:
         """The sequences the node decodes, or will once their KV lands (running and
@@ -216,8 +215,7 @@ class Node:
         if cap is None or cap.max_num_seqs <= 0 or cap.block_size <= 0:
             return None
         _, free = self.decode_room()
-        slots = cap.max_num_seqs - cap.running - cap.reserved - self.sent_requests
-        return slots, free, cap.block_size
+        return cap.max_num_seqs - self.decode_streams(), free, cap.block_size
 
     def describe(self) -> dict[str, Any]:
         """The node's row in `GET /admin/nodes`."""
