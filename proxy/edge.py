@@ -203,6 +203,13 @@ class _Waiter:
     request_id: str
     claim: Claim | None  # what it takes from the pre-decode budget
     future: asyncio.Future[None]
+    arrived: float  # time.monotonic()
+
+
+def _prefill_tokens(waiter: _Waiter) -> int:
+    """The prompt tokens `waiter` still has to prefill (0 once it is gone)."""
+    claim = waiter.claim
+    return 0 if claim is None or waiter.future.done() else claim.prefill_tokens
 
 
 class EdgeQueue:
@@ -257,19 +264,25 @@ class EdgeQueue:
         """Admit waiters, oldest first, while the head fits (room freed, or limits grew);
         then any of the next `BYPASS_SCAN` that may pass a head waiting for the prefill
         pool alone (`_passes`)."""
+        now = time.monotonic()
         while self._waiters:
             head = self._waiters[0]
             if head.future.done():  # cancelled or expired, not yet removed
                 self._waiters.popleft()
                 continue
-            if not self._fits(head.claim):
+            if not self._fits(head.claim, now - head.arrived):
                 break
             self._waiters.popleft()
             self._hand_over(head)
+        ahead = _prefill_tokens(self._waiters[0]) if self._waiters else 0
         for waiter in list(itertools.islice(self._waiters, 1, BYPASS_SCAN + 1)):
-            if not waiter.future.done() and self._passes(waiter.claim):
+            if waiter.future.done():
+                continue
+            if self._passes(waiter.claim, now - waiter.arrived, ahead):
                 self._waiters.remove(waiter)
                 self._hand_over(waiter)
+            else:
+                ahead += _prefill_tokens(waiter)
         self._update()
 
     def _hand_over(self, waiter: _Waiter) -> None:
@@ -283,23 +296,24 @@ class EdgeQueue:
         limits = [p for p in (self.config.deadline_s, patience_s) if p is not None and p > 0]
         return min(limits) if limits else None
 
-    def _fits(self, claim: Claim | None) -> bool:
+    def _fits(self, claim: Claim | None, waited_s: float = 0.0) -> bool:
         if self._active >= self.config.max_active:
             return False
-        return self.budget is None or claim is None or self.budget.fits(claim)
+        return self.budget is None or claim is None or self.budget.fits(claim, waited_s)
 
-    def _passes(self, claim: Claim | None) -> bool:
+    def _passes(self, claim: Claim | None, waited_s: float, ahead_tokens: int) -> bool:
         """Whether `claim` may enter ahead of the waiters: the oldest waits for room on the
         prefill pool alone (the backlog horizon), and `claim`'s prompt would be prefilled
-        on a decode node (conditional disaggregation), taking none of that room. Any other
-        wait (slots, decode requests, KV) stays first come, first served."""
+        on a decode node (conditional disaggregation), taking none of that room, having
+        waited `waited_s` behind waiters with `ahead_tokens` prompt tokens to prefill. Any
+        other wait (slots, decode requests, KV) stays first come, first served."""
         budget = self.budget
         if budget is None or claim is None or self._active >= self.config.max_active:
             return False
         head = next((w for w in self._waiters if not w.future.done()), None)
         if head is None or head.claim is None or not budget.room(head.claim):
             return False
-        return budget.room(claim) and budget.goes_local(claim)
+        return budget.room(claim) and budget.goes_local(claim, waited_s, ahead_tokens)
 
     def _enter(self, request_id: str, claim: Claim | None) -> None:
         self._active += 1
@@ -308,7 +322,9 @@ class EdgeQueue:
 
     async def _acquire(self, request_id: str, claim: Claim | None, patience: float | None) -> None:
         arrived = time.monotonic()
-        if (not self._waiters and self._fits(claim)) or (self._waiters and self._passes(claim)):
+        if (not self._waiters and self._fits(claim)) or (
+            self._waiters and self._passes(claim, 0.0, sum(map(_prefill_tokens, self._waiters)))
+        ):
             self._enter(request_id, claim)
             self._admitted(arrived)
             return
@@ -326,7 +342,7 @@ class EdgeQueue:
                 f"the estimated wait for admission ({wait:.1f} s, {ahead} requests ahead) "
                 f"exceeds the request's deadline ({patience:g} s)",
             )
-        waiter = _Waiter(request_id, claim, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(request_id, claim, asyncio.get_running_loop().create_future(), arrived)
         self._waiters.append(waiter)
         self._update()
         try:

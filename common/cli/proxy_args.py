@@ -259,3 +259,11 @@ def add_routing_arg(g: argparse._ActionsContainer) -> None:
         help="auto: the most uncached prompt tokens a decode node prefills itself (bounds the "
         "stall a local prefill adds to its other streams): %(default)s",
     )
+    g.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=0.0,
+        help="auto: the time-to-first-token objective; a prompt whose estimated first token on "
+        "the prefill pool would miss it is prefilled on a decode node that meets it, even when "
+        "that costs the node's streams more than it saves (0: no objective): %(default)s",
+    )

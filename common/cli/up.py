@@ -87,6 +87,7 @@ class UpConfig:
     routing: str = "cost"
     disagg_mode: str = "auto"  # always | never | auto (conditional disaggregation)
     local_prefill_max_tokens: int = 256
+    slo_ttft_s: float | None = None  # auto: the TTFT objective (placement.py)
     kv_streaming: bool = True
     stall_timeout_s: float = NodeTimeouts.stall_s
     silent_after_s: float | None = None
@@ -112,6 +113,10 @@ class UpConfig:
             raise ValueError("--max-restarts must be >= 0 and the restart backoff > 0")
         if self.startup_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("--startup-timeout-s and --stop-grace-s must be positive")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("--local-prefill-max-tokens must be >= 0")
+        if self.slo_ttft_s is not None and not self.slo_ttft_s > 0:
+            raise ValueError("--slo-ttft-ms must be > 0 (or 0: no objective)")
         if self.pin_cores:
             self.node_cpus()  # enough cores for every node, or a clear error now
 
@@ -369,6 +374,7 @@ async def start_service(
         routing=cfg.routing,
         disagg_mode=cfg.disagg_mode,
         local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+        slo_ttft_s=cfg.slo_ttft_s,
         kv_streaming=cfg.kv_streaming,
         silent_after_s=cfg.silent_after_s,
         timeouts=NodeTimeouts(stall_s=cfg.stall_timeout_s),
@@ -540,6 +546,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         routing=args.routing,
         disagg_mode=args.disagg_mode,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
         kv_streaming=args.kv_streaming == "on",
         stall_timeout_s=args.stall_timeout_s,
         silent_after_s=args.silent_after_s,

@@ -53,6 +53,8 @@ class GenerationRequest:
     prompt_token_ids: list[int]  # non-empty, each in [0, vocab), shorter than the context
     sampling: SamplingParams  # max_tokens already fitted to the context
     patience_s: float | None = None  # X-Request-Deadline-Ms: the longest it may wait at the edge
+    # When the proxy took it (time.monotonic()): `auto`'s TTFT objective counts from here.
+    arrived_s: float = field(default_factory=time.monotonic, compare=False)
     # sampling.n > 1: the choices the client is done with (the backend may stop them).
     choice_ends: ChoiceEnds | None = field(default=None, compare=False)
 

@@ -65,11 +65,12 @@ class PreDecodeBudget:
         self,
         limits: Callable[[], Limits],
         uncached: Callable[[Sequence[int]], int] | None = None,
-        local: Callable[[Sequence[int]], bool] | None = None,
+        local: Callable[[Sequence[int], float, int], bool] | None = None,
     ) -> None:
         self.limits = limits
         self._uncached = uncached or len
-        # Whether a prompt would be prefilled on a decode node now (DisaggBackend).
+        # Whether a prompt would be prefilled on a decode node now, having waited so many
+        # seconds behind so many prompt tokens to prefill (DisaggBackend.prefills_locally).
         self.local = local
         self._held: dict[str, Claim] = {}
         self._prefilling: set[str] = set()
@@ -98,7 +99,8 @@ class PreDecodeBudget:
         n = len(prompt_token_ids)
         return Claim(n, max(1, min(n, self._uncached(prompt_token_ids))), prompt_token_ids)
 
-    def fits(self, claim: Claim) -> bool:
+    def fits(self, claim: Claim, waited_s: float = 0.0) -> bool:
+        """Whether `claim` may enter now; `waited_s`: how long it has waited at the edge."""
         if not self._held:
             return True
         limits = self.limits()
@@ -108,7 +110,7 @@ class PreDecodeBudget:
             limits.prefill_tokens is None
             or len(self._prefilling) < max(1, limits.prefill_nodes)
             or self._prefill_tokens + claim.prefill_tokens <= limits.prefill_tokens
-            or self.goes_local(claim)
+            or self.goes_local(claim, waited_s)
         )
 
     def room(self, claim: Claim) -> bool:
@@ -116,10 +118,13 @@ class PreDecodeBudget:
         aside): a claim that fails only the horizon waits for the prefill pool alone."""
         return not self._held or self._room(claim, self.limits())
 
-    def goes_local(self, claim: Claim) -> bool:
+    def goes_local(self, claim: Claim, waited_s: float = 0.0, ahead_tokens: int = 0) -> bool:
         """Whether `claim`'s prompt would be prefilled on a decode node now, taking none of
-        the prefill pool's room."""
-        return self.local is not None and bool(claim.prompt) and self.local(claim.prompt)
+        the prefill pool's room, having waited `waited_s` at the edge behind `ahead_tokens`
+        prompt tokens to prefill."""
+        if self.local is None or not claim.prompt:
+            return False
+        return self.local(claim.prompt, waited_s, ahead_tokens)
 
     def _room(self, claim: Claim, limits: Limits) -> bool:
         if len(self._held) >= limits.requests:

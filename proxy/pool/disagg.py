@@ -323,17 +323,23 @@ class DisaggBackend:
                 code="unavailable",
             )
 
-    def prefills_locally(self, prompt: Sequence[int]) -> bool:
+    def prefills_locally(
+        self, prompt: Sequence[int], waited_s: float = 0.0, ahead_tokens: int = 0
+    ) -> bool:
         """Whether `prompt` would be prefilled on a decode node now (no side effect): the
-        edge lets such a prompt past the prefill pool's backlog horizon (budget.py)."""
+        edge lets such a prompt past the prefill pool's backlog horizon (budget.py). For the
+        TTFT objective: it has waited `waited_s` at the edge, behind `ahead_tokens` prompt
+        tokens still to prefill that wait there before it."""
         if self.placement.mode is DisaggMode.ALWAYS:
             return False
         try:
-            return self._placement(prompt, time.perf_counter()).local
+            return self._placement(prompt, time.perf_counter(), waited_s, ahead_tokens).local
         except (ValueError, BackendError):  # no node to place it on: it waits
             return False
 
-    def _placement(self, prompt: Sequence[int], started: float) -> Placement:
+    def _placement(
+        self, prompt: Sequence[int], started: float, waited_s: float = 0.0, ahead_tokens: int = 0
+    ) -> Placement:
         """Where `prompt` would be prefilled now (not `always`); ValueError or BackendError
         when no node can take it."""
         router = self.registry.router
@@ -343,7 +349,9 @@ class DisaggBackend:
         pool_rates = rates(self.registry.healthy(Role.PREFILL))
         local = router.estimates(Role.DECODE, prompt, fallback_rates=pool_rates)
         roomy = [e for e in local if has_room(e)]
-        return place(self.placement, remote, roomy or (local if remote is None else []))
+        pool_wait_s = ahead_tokens / sum(pool_rates) if ahead_tokens and pool_rates else 0.0
+        candidates = roomy or (local if remote is None else [])
+        return place(self.placement, remote, candidates, waited_s, pool_wait_s)
 
     def _place(self, req: GenerationRequest) -> Placement | None:
         """Where this attempt's prompt is prefilled (None: the prefill pool, undecided, as
@@ -351,7 +359,8 @@ class DisaggBackend:
         if self.placement.mode is DisaggMode.ALWAYS:
             return None
         prompt, router = req.prompt_token_ids, self.registry.router
-        placement = self._placement(prompt, time.perf_counter())
+        waited_s = time.monotonic() - req.arrived_s
+        placement = self._placement(prompt, time.perf_counter(), waited_s)
         self.traces.record(req.request_id, "placed", detail=placement.detail())
         if self.placement_metrics is not None:
             self.placement_metrics.count(placement)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -225,7 +225,7 @@ def test_a_prompt_a_decode_node_would_prefill_passes_the_prefill_horizon() -> No
 
     async def body() -> None:
         limits = Limits(requests=4, tokens=None, prefill_tokens=100)
-        budget = PreDecodeBudget(lambda: limits, local=lambda ids: ids[0] == 9)
+        budget = PreDecodeBudget(lambda: limits, local=lambda ids, *_: ids[0] == 9)
         edge = _queue(max_active=10, capacity=10, budget=budget)
 
         def entered(name: str, prompt: list[int]) -> None:
@@ -271,7 +271,7 @@ def test_a_waiter_for_the_prefill_pool_is_passed_by_waiters_for_a_decode_node() 
     budget = PreDecodeBudget(lambda: Limits(requests=3, tokens=None, prefill_tokens=100))
     edge = _queue(max_active=10, capacity=10, budget=budget)
     local = {"on": False}
-    budget.local = lambda ids: local["on"] and ids[0] == 9
+    budget.local = lambda ids, *_: local["on"] and ids[0] == 9
 
     async def body() -> None:
         users = _Users(edge)
@@ -288,6 +288,39 @@ def test_a_waiter_for_the_prefill_pool_is_passed_by_waiters_for_a_decode_node() 
         assert inside == ["long", "short", "short-2"] and edge.depth == 1
         await users.finish()
         assert inside[-1] == "long-2"
+
+    asyncio.run(body())
+
+
+def test_the_placement_is_told_each_waiters_wait_and_the_prefill_work_ahead_of_it() -> None:
+    """For `auto`'s TTFT objective: a prompt asked about at the edge has waited so long,
+    behind waiters with so many prompt tokens to prefill (the head's included)."""
+    budget = PreDecodeBudget(lambda: Limits(requests=8, tokens=None, prefill_tokens=100))
+    edge = _queue(max_active=10, capacity=10, budget=budget)
+    asked: list[tuple[int, float, int]] = []
+
+    def local(ids: Sequence[int], waited_s: float, ahead_tokens: int) -> bool:
+        asked.append((len(ids), waited_s, ahead_tokens))
+        return False
+
+    budget.local = local
+
+    async def body() -> None:
+        users = _Users(edge)
+        users.start("long", [1] * 300)
+        await asyncio.sleep(0.01)
+        users.start("long-2", [1] * 300)  # waits for the horizon
+        await asyncio.sleep(0.01)
+        users.start("short", [1] * 10)  # on arrival: behind long-2's 300 tokens, no wait yet
+        await asyncio.sleep(0.01)
+        assert asked[-1] == (10, 0.0, 300)
+        asked.clear()
+        await asyncio.sleep(0.05)
+        edge.pump()  # room freed elsewhere: each waiter is asked again
+        by_len = {n: (w, a) for n, w, a in asked}
+        assert by_len[300][0] >= 0.04 and by_len[300][1] == 0  # the head: nothing ahead
+        assert by_len[10][0] >= 0.04 and by_len[10][1] == 300
+        await users.finish()
 
     asyncio.run(body())
 

@@ -4,6 +4,8 @@ before decode capacity, cancellation at each stage, node retry."""
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -255,6 +257,44 @@ def test_auto_prefills_a_short_prompt_on_the_decode_node_when_the_prefill_queue_
             assert placed.detail.startswith("auto: local (earlier)")
             assert f"decode {decode.url} est 8 ms" in placed.detail
             assert f"prefill {prefill.url} est 10008 ms" in placed.detail
+
+    run(body())
+
+
+def test_a_ttft_objective_counts_from_the_requests_arrival_and_the_prompts_ahead_of_it() -> None:
+    """A decode node with 32 streams: a 48-token local prefill would cost them 3.84 s in all,
+    more than the 3 s it saves a prompt behind 1,200 queued tokens, so `auto` keeps it on the
+    prefill pool (3.12 s, inside a 5 s objective), unless the request has waited, or would
+    wait at the edge, long enough to miss the objective there."""
+
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.queued_prefill_tokens, prefill.prefill_tokens_per_s = 1200, 400.0
+        decode.max_num_seqs, decode.free_blocks = 64, 1000
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            await stack.registry.poll_all()
+            traces = TraceStore(16)
+            placement = PlacementConfig(DisaggMode.AUTO, local_max_tokens=64, ttft_slo_s=5.0)
+            backend = DisaggBackend(
+                stack.registry, stack.client, stack.queue, traces=traces, placement=placement
+            )
+            (node,) = stack.registry.healthy(Role.DECODE)
+            for _ in range(32):
+                node.sent(0, kv_tokens=64)
+            prompt = [1] * 48
+            assert not backend.prefills_locally(prompt)
+            assert backend.prefills_locally(prompt, waited_s=2.0)  # 5.12 s from the pool
+            assert backend.prefills_locally(prompt, ahead_tokens=800)  # 2 s more at the edge
+            assert not backend.prefills_locally(prompt, waited_s=4.95)  # late either way
+            late = replace(_request(), prompt_token_ids=prompt, arrived_s=time.monotonic() - 2)
+            traces.start("req-1", "chat")
+            chunks = await _collect(backend.generate(late))
+            assert _tokens(chunks) == [7, 8, 9, 10] and prefill.calls == []
+            trace = traces.get("req-1")
+            assert trace is not None
+            (placed,) = [r.detail for r in trace.rows if r.event == "placed"]
+            assert placed.startswith("auto: local (meets_ttft_slo)")
+            assert "cost to its streams 3840 ms" in placed
 
     run(body())
 

@@ -66,6 +66,44 @@ def test_a_local_prefill_that_would_cost_the_decode_nodes_streams_more_than_it_s
     assert p.local and p.reason == "earlier" and p.cost_s == pytest.approx(0.96)
 
 
+def test_a_ttft_objective_the_prefill_queue_would_miss_sends_the_prompt_to_a_decode_node() -> None:
+    # 48 tokens locally hold up 32 streams: 3.84 s in all, against 3.0 s saved (1,200 tokens
+    # queued on the prefill node): refused on the cost alone.
+    def decide(slo_s: float | None) -> tuple[bool, str]:
+        config = PlacementConfig(DisaggMode.AUTO, local_max_tokens=256, ttft_slo_s=slo_s)
+        p = place(config, remote(1200, 48), [busy("http://d", 32, 0, 48)])
+        assert p.cost_s == pytest.approx(3.84)
+        return p.local, p.reason
+
+    assert decide(None) == (False, "stalls_decode")
+    # A 2 s objective: the prefill pool's 3.12 s misses it, the decode node's 120 ms meets it.
+    assert decide(2.0) == (True, "meets_ttft_slo")
+    # A 5 s objective the prefill pool meets: its streams' time is not spent.
+    assert decide(5.0) == (False, "stalls_decode")
+    # An objective neither meets: the decode node's streams would pay for nothing.
+    assert decide(0.1) == (False, "stalls_decode")
+
+
+def test_the_ttft_objective_counts_the_wait_so_far_and_the_prompts_ahead_at_the_edge() -> None:
+    config = PlacementConfig(DisaggMode.AUTO, local_max_tokens=256, ttft_slo_s=5.0)
+
+    def decide(waited_s: float, pool_wait_s: float) -> str:
+        p = place(config, remote(1200, 48), [busy("http://d", 32, 0, 48)], waited_s, pool_wait_s)
+        return p.reason
+
+    assert decide(0.0, 0.0) == "stalls_decode"  # 3.12 s from the pool: met
+    assert decide(1.0, 1.0) == "meets_ttft_slo"  # 5.12 s from the pool, 1.12 s locally
+    assert decide(2.0, 0.0) == "meets_ttft_slo"  # 5.12 s
+    assert decide(0.0, 2.0) == "meets_ttft_slo"
+    assert decide(4.95, 0.0) == "stalls_decode"  # late either way (5.07 s locally)
+
+
+def test_a_ttft_objective_does_not_lift_the_stall_bound() -> None:
+    config = PlacementConfig(DisaggMode.AUTO, local_max_tokens=256, ttft_slo_s=1.0)
+    p = place(config, remote(5000, 300), [estimate("http://d", Role.DECODE, 0, 300)])
+    assert not p.local and p.reason == "too_long"
+
+
 def test_the_decode_node_whose_streams_lose_least_is_the_candidate() -> None:
     crowded = busy("http://d1", 12, 0, 48)  # 120 ms + 12 x 120 ms
     quiet = busy("http://d2", 2, 40, 48)  # 220 ms + 2 x 120 ms
@@ -130,3 +168,6 @@ def test_decisions_are_counted_by_mode_placement_and_reason() -> None:
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         PlacementConfig(local_max_tokens=-1)
+    for slo_s in (0.0, -1.0):
+        with pytest.raises(ValueError):
+            PlacementConfig(ttft_slo_s=slo_s)
