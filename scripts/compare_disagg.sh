@@ -311,11 +311,17 @@ bench() {  # bench NAME: warm-up, then the measured run into $out/NAME/
         "$py" -m common.cli bench-serve "${common[@]}" --num-requests "$warmup" --rate inf \
             --seed $((seed + 1)) >"$dir/warmup.txt"
     fi
+    scrape "$dir/metrics-warm.txt"
     loadavg+=("$name: load average before the run $(cut -d' ' -f1-3 /proc/loadavg)")
     say "$name: $num requests at $rate req/s"
     "$py" -m common.cli bench-serve "${common[@]}" --num-requests "$num" --rate "$rate" \
         --slo-ttft-ms "$slo_ttft" --slo-tpot-ms "$slo_tpot" \
         --json "$dir/bench.json" --plot-dir "$dir" | tee "$dir/bench.txt"
+    scrape "$dir/metrics-bench.txt"
+}
+
+scrape() {  # scrape FILE: the proxy's /metrics (where it placed each prompt, for the report)
+    curl -sf --max-time 10 -o "$1" "$url/metrics" || { say "could not scrape $url/metrics"; rm -f "$1"; }
 }
 
 search() {  # search NAME: the goodput search into $out/NAME/goodput/
@@ -334,6 +340,7 @@ search() {  # search NAME: the goodput search into $out/NAME/goodput/
         --search-tolerance "$search_tolerance" \
         --goodput-attainment "$attainment" --slo-ttft-ms "$slo_ttft" --slo-tpot-ms "$slo_tpot" \
         --json "$dir/search.json" --plot-dir "$dir" | tee "$dir/search.txt"
+    scrape "$out/$name/metrics-search.txt"
 }
 
 for name in "${selected[@]}"; do rm -rf "${out:?}/$name"; mkdir -p "$out/$name"; done

@@ -18,6 +18,11 @@ defines it: per deployment the highest rate at which >= 90% of requests met both
 and the TPOT objective, its bracket and attainment curve, who wins, and every curve in one
 plot (`goodput.png` beside the report).
 
+Where a run directory holds the proxy's metrics scraped after the warm-up, the fixed-rate run
+and the search (`metrics-warm.txt`, `metrics-bench.txt`, `metrics-search.txt`), a table of
+where the proxy placed each prompt in the fixed-rate run and in the search (conditional
+disaggregation: on the prefill pool or locally on a decode node, by the decision's reason).
+
 Where a run directory holds a speed probe (`speed-probe.json`: `scripts/bench_engine.py
 --json` on one thread, which `compare_disagg.sh` runs before starting each deployment), a
 section on the machine's speed: each probe's decode and prefill tokens/s and the spread
@@ -65,6 +70,10 @@ TIE = 0.05  # relative difference under which runs tie
 KINDS = ("colocated", "disagg")
 SEARCH_FILE = Path("goodput") / "search.json"
 PROBE_FILE = Path("speed-probe.json")
+# The proxy's /metrics scraped by compare_disagg.sh: after the warm-up, after the fixed-rate
+# run, after the goodput search
+SCRAPES = ("metrics-warm.txt", "metrics-bench.txt", "metrics-search.txt")
+PLACEMENTS = "pdserve_proxy_placements_total"
 COLUMNS = (
     ("done/sent", lambda r: f"{r['completed']}/{r['sent']}"),
     ("req/s", lambda r: _num(r["request_throughput"])),
@@ -400,6 +409,63 @@ def _results_lines(runs: list[Run]) -> list[str]:
     return lines
 
 
+def placements(text: str) -> dict[tuple[str, str], float]:
+    """(placement, reason) -> count, from the proxy's Prometheus text."""
+    counts: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if not line.startswith(PLACEMENTS + "{"):
+            continue
+        labels, _, value = line[len(PLACEMENTS) + 1 :].rpartition("} ")
+        pairs = dict(part.split("=", 1) for part in labels.split(",") if "=" in part)
+        key = (pairs.get("placement", "").strip('"'), pairs.get("reason", "").strip('"'))
+        counts[key] = counts.get(key, 0.0) + float(value)
+    return counts
+
+
+def placements_between(before: str, after: str) -> dict[tuple[str, str], int]:
+    """The placements counted between two scrapes, those that happened only."""
+    start, end = placements(before), placements(after)
+    return {k: int(v - start.get(k, 0.0)) for k, v in sorted(end.items()) if v > start.get(k, 0.0)}
+
+
+def _placement_text(counts: dict[tuple[str, str], int]) -> str:
+    if not counts:
+        return "-"
+    parts = []
+    for where in ("remote", "local"):
+        mine = {r: n for (p, r), n in counts.items() if p == where}
+        if mine:
+            reasons = ", ".join(f"{r} {n}" for r, n in mine.items())
+            parts.append(f"{where} {sum(mine.values())} ({reasons})")
+    return "; ".join(parts)
+
+
+def _placement_lines(runs: list[Run]) -> list[str]:
+    rows = []
+    for run in runs:
+        scrapes = [run.spec.dir / name for name in SCRAPES]
+        if not all(p.exists() for p in scrapes[:2]):
+            continue
+        warm, bench, search = (p.read_text() if p.exists() else None for p in scrapes)
+        assert warm is not None and bench is not None
+        fixed = placements_between(warm, bench)
+        searched = "-" if search is None else _placement_text(placements_between(bench, search))
+        if fixed or search is not None:
+            rows.append(f"| {run.label} | {_placement_text(fixed)} | {searched} |")
+    if not rows:
+        return []
+    return [
+        "Where the proxy prefilled each prompt (`pdserve_proxy_placements_total`): on the "
+        "prefill pool (remote) or on the decode node (local), by the decision's reason, in "
+        "the fixed-rate run and in all the search's runs together.",
+        "",
+        "| deployment | fixed-rate run | goodput search |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def itl_split(bench: dict[str, Any]) -> dict[str, Any] | None:
     """Where the ITL tail is, from `--save-detailed` records: each request's first gap (its
     first token to its second: on a disaggregated deployment the hand-off from the prefill
@@ -462,6 +528,7 @@ def render(
     lines += _capacity_lines(runs, capacity)
     lines += _results_lines(runs)
     lines += _itl_split_lines(runs)
+    lines += _placement_lines(runs)
     if runs[0].search is not None:
         lines += render_goodput(runs)
     lines += ["## Plots", "", "![p50 and p99 of every deployment](compare.png)", ""]

@@ -499,3 +499,32 @@ def test_histogram_quantiles_between_two_scrapes_interpolate_within_buckets() ->
     assert p99 is not None and abs(p99 - 0.038) < 1e-9
     assert quantile(before, before, "step_seconds", 0.5) == (None, 0.0)
     assert quantile(before, after, "step_seconds", 0.5)[1] == 101  # both labels
+
+
+def test_report_counts_where_the_proxy_placed_each_prompt(tmp_path: Path) -> None:
+    """From the proxy's own /metrics text scraped after the warm-up, the fixed-rate run and
+    the search: only what each stage placed, by placement and reason."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from proxy.pool.placement import DisaggMode, PlacementMetrics
+
+    registry = CollectorRegistry()
+    counter = PlacementMetrics(registry, DisaggMode.AUTO).decisions
+    slo = Slo(ttft_ms=1000, tpot_ms=200)
+    for name in ("colo", "auto"):
+        _run(tmp_path / name, 0.03, slo)
+    stages = (  # (placement, reason, count) added in each stage
+        [("remote", "mode", 2)],  # the warm-up
+        [("local", "earlier", 5), ("remote", "stalls_decode", 4), ("local", "meets_ttft_slo", 1)],
+        [("remote", "stalls_decode", 30), ("local", "earlier", 7)],
+    )
+    scrapes = ("metrics-warm", "metrics-bench", "metrics-search")
+    for scrape, added in zip(scrapes, stages, strict=True):
+        for where, reason, n in added:
+            counter.labels("auto", where, reason).inc(n)
+        (tmp_path / "auto" / f"{scrape}.txt").write_bytes(generate_latest(registry))
+    argv = ["--run", f"colocated:colo={tmp_path / 'colo'}"]
+    text = _report([*argv, "--run", f"disagg:auto={tmp_path / 'auto'}"], tmp_path / "report.md")
+    fixed = "remote 4 (stalls_decode 4); local 6 (earlier 5, meets_ttft_slo 1)"
+    assert f"| auto | {fixed} | remote 30 (stalls_decode 30); local 7 (earlier 7) |" in text
+    assert "| colo |" not in text.split("prefilled each prompt")[1].split("\n## ")[0]
