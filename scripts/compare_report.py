@@ -443,14 +443,14 @@ def _placement_text(counts: dict[tuple[str, str], int]) -> str:
 def _placement_lines(runs: list[Run]) -> list[str]:
     rows = []
     for run in runs:
-        scrapes = [run.spec.dir / name for name in SCRAPES]
-        if not all(p.exists() for p in scrapes[:2]):
+        warm, bench, search = (run.spec.dir / name for name in SCRAPES)
+        if not (warm.exists() and bench.exists()):
             continue
-        warm, bench, search = (p.read_text() if p.exists() else None for p in scrapes)
-        assert warm is not None and bench is not None
-        fixed = placements_between(warm, bench)
-        searched = "-" if search is None else _placement_text(placements_between(bench, search))
-        if fixed or search is not None:
+        fixed = placements_between(warm.read_text(), bench.read_text())
+        searched = "-"
+        if search.exists():
+            searched = _placement_text(placements_between(bench.read_text(), search.read_text()))
+        if fixed or search.exists():
             rows.append(f"| {run.label} | {_placement_text(fixed)} | {searched} |")
     if not rows:
         return []
