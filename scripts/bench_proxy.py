@@ -5,7 +5,7 @@ the latency the proxy adds. THE NODES ARE STAND-INS that answer instantly
 
     python scripts/bench_proxy.py [--duration-s S] [--json OUT] [--model M]
         [--streams C] [--output-tokens N] [--rate R] [--proxy-core K] [--proxies P]
-        [--kv-streaming {on,off}]
+        [--kv-streaming {on,off}] [--disagg-mode {always,auto,never}]
 
 The proxy runs as its own process (`pdserve proxy`, the real one, in front of one prefill
 and one decode stand-in), pinned to core K when the machine has more than one; this
@@ -32,13 +32,18 @@ proxy below one core), the per-core figure is what one saturated proxy core woul
 `--proxies P` starts P proxies in front of the same stand-ins and spreads the clients over
 them (each on its own core where there are enough). `--kv-streaming` is the proxy's flag:
 on (its default), each prefill is the streamed call (the KV handle's line, then the first
-token's), off the one-call prefill.
+token's), off the one-call prefill. `--disagg-mode` is the proxy's too, but defaults to
+`always` here: every prompt takes the disaggregated path (a prefill call, then a decode
+stream). Under `auto` the stand-ins' estimates decide, and a prompt the proxy prefills on
+the decode stand-in is one call instead of two (a shorter path, not a faster proxy); each
+proxy phase reports where its prompts went (`placements`, from the proxies' /metrics).
 
 JSON (`--json OUT`): `requests_per_s`, `tokens_per_s`, `added_ttft_ms_p99` (the headline
 numbers: requests phase, throughput phase, latency phase: the client's whole TTFT p99),
 their per-core forms, `direct_ttft_ms_p99` and `ttft_over_direct_ms_{p50,p99}` (the latency
 phase's quantiles less those with no proxy), `floor_ttft_ms_p99` and
-`ttft_over_floor_ms_{p50,p99}` (less the forwarder's), and each phase's details. Exit status
+`ttft_over_floor_ms_{p50,p99}` (less the forwarder's), `disagg_mode`, and each phase's
+details. Exit status
 0, or 1 when a phase completed no request.
 """
 
@@ -66,6 +71,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # pdserve's packages; up_service
 
+from compare_report import placements_between  # noqa: E402
 from up_service import get, histogram_quantile  # noqa: E402
 
 from common.cli.models import model_dir  # noqa: E402
@@ -105,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the proxy's prefill call: streamed (its default: the KV handle's line, then the "
         "first token's) or one call",
     )  # fmt: skip
+    p.add_argument(
+        "--disagg-mode", choices=("always", "auto", "never"), default="always",
+        help="the proxy's placement policy (here always: every prompt prefill call + decode "
+        "stream; auto lets the stand-ins' estimates send some to the decode stand-in)",
+    )  # fmt: skip
     return p
 
 
@@ -143,6 +154,7 @@ async def start_proxy(
     profile: Path | None = None,
     timeout_s: float = 120.0,
     kv_streaming: str = "on",
+    disagg_mode: str = "always",
 ) -> ProxyProcess:
     python = [sys.executable]
     if profile is not None:  # cProfile writes it when the proxy exits (SIGTERM: a clean exit)
@@ -152,7 +164,7 @@ async def start_proxy(
         "--model", model, "--prefill", prefill, "--decode", decode, "--log-level", "WARNING",
         "--poll-interval-s", "0.5",
         # The stand-ins move no KV either way; streamed, the prefill answers in two lines.
-        "--kv-streaming", kv_streaming,
+        "--kv-streaming", kv_streaming, "--disagg-mode", disagg_mode,
     ]  # fmt: skip
     return await _start(argv, core, "pdserve proxy ready: ", timeout_s)
 
@@ -594,6 +606,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     pc,
                     profile,
                     kv_streaming=args.kv_streaming,
+                    disagg_mode=args.disagg_mode,
                 )  # fmt: skip
             )
         timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
@@ -626,30 +639,39 @@ async def _phases(
         "what": "the proxy alone, in front of stand-in nodes that answer instantly",
         "proxies": args.proxies,
         "kv_streaming": args.kv_streaming,
+        "disagg_mode": args.disagg_mode,
         "proxy_cores": proxy_cores,
         "duration_s": args.duration_s,
         "phases": {},
     }
     if "throughput" in phases:
         standins.set_token_interval(0.0)
+        seen = await _placements(bench)
         r = await bench.closed_loop("throughput", args.streams, args.output_tokens, args.duration_s)
         report["phases"]["throughput"] = {
             "streams": args.streams, "output_tokens": args.output_tokens, **r.summary(),
+            "placements": await _placed_since(bench, seen),
         }  # fmt: skip
         report["tokens_per_s"] = r.summary()["tokens_per_s"]
         report["tokens_per_s_per_proxy_core"] = r.summary()["tokens_per_s_per_proxy_core"]
     if "requests" in phases:
         standins.set_token_interval(0.0)
+        seen = await _placements(bench)
         r = await bench.closed_loop("requests", args.streams, 2, args.duration_s)
-        report["phases"]["requests"] = {"streams": args.streams, "output_tokens": 2, **r.summary()}
+        report["phases"]["requests"] = {
+            "streams": args.streams, "output_tokens": 2, **r.summary(),
+            "placements": await _placed_since(bench, seen),
+        }  # fmt: skip
         report["requests_per_s"] = r.summary()["requests_per_s"]
         report["requests_per_s_per_proxy_core"] = r.summary()["requests_per_s_per_proxy_core"]
     if "latency" in phases:
         standins.set_token_interval(args.token_interval_ms / 1000)
         scrape = bench.proxies[0].url + "/metrics"
+        seen = await _placements(bench)
         before = await asyncio.to_thread(get, scrape)
         r, relay = await bench.open_loop(args.rate, 16, args.duration_s)
         after = await asyncio.to_thread(get, scrape)
+        placed = await _placed_since(bench, seen)
 
         def own_ms(name: str, q: float) -> float | None:
             value, _ = histogram_quantile(before, after, name, q)
@@ -670,6 +692,7 @@ async def _phases(
             "proxy_ttft_ms_p99": own_ms("pdserve_proxy_ttft_seconds", 0.99),
             "proxy_relay_ms_p50": own_ms("pdserve_proxy_relay_seconds", 0.5),
             "proxy_relay_ms_p99": own_ms("pdserve_proxy_relay_seconds", 0.99),
+            "placements": placed,
         }
         report["added_ttft_ms_p99"] = report["phases"]["latency"]["ttft_ms_p99"]
         report["added_token_ms_p99"] = report["phases"]["latency"]["token_relay_ms_p99"]
@@ -704,6 +727,22 @@ async def _phases(
                 over = None if a is None or b is None else round(a - b, 3)
                 report[f"ttft_over_floor_ms_{q}"] = over
     return report
+
+
+async def _placements(bench: Bench) -> list[str]:
+    """Each proxy's /metrics text now."""
+    return [await asyncio.to_thread(get, p.url + "/metrics") for p in bench.proxies]
+
+
+async def _placed_since(bench: Bench, before: list[str]) -> dict[str, int]:
+    """Where the proxies placed the prompts since `before` ("placement/reason" -> count,
+    summed over the proxies): under `always` all remote, reason mode."""
+    counts: dict[str, int] = {}
+    for text, after in zip(before, await _placements(bench), strict=True):
+        for (where, reason), n in placements_between(text, after).items():
+            key = f"{where}/{reason}"
+            counts[key] = counts.get(key, 0) + n
+    return dict(sorted(counts.items()))
 
 
 async def _floor(
@@ -751,6 +790,9 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{phase['tokens_per_s_per_proxy_core']:10.1f} tok/s per core"
             )
         print(line)
+        if "placements" in phase:
+            placed = ", ".join(f"{k} {n}" for k, n in phase["placements"].items()) or "none"
+            print(f"  {'':10s} placed ({report['disagg_mode']}): {placed}")
         if name == "floor":
             print(
                 f"  {'':10s} TTFT p50 {phase['ttft_ms_p50']} ms p99 {phase['ttft_ms_p99']} ms "

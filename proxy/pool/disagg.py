@@ -357,6 +357,8 @@ class DisaggBackend:
         """Where this attempt's prompt is prefilled (None: the prefill pool, undecided, as
         `always` does); traced and counted."""
         if self.placement.mode is DisaggMode.ALWAYS:
+            if self.placement_metrics is not None:
+                self.placement_metrics.count_always()
             return None
         prompt, router = req.prompt_token_ids, self.registry.router
         waited_s = time.monotonic() - req.arrived_s

@@ -49,7 +49,8 @@ waited out the queue and missed their TTFT, where the decode node had time to sp
     never   every prompt on a decode node (the decode pool serves colocated)
 
 Each decision carries both estimates and a reason; the backend writes it to the request's
-trace and counts it (`pdserve_proxy_placements_total{mode, placement, reason}`).
+trace and counts it (`pdserve_proxy_placements_total{mode, placement, reason}`); `always`
+decides nothing, and counts each attempt as `remote` with reason `mode`.
 """
 
 from __future__ import annotations
@@ -193,3 +194,7 @@ class PlacementMetrics:
     def count(self, placement: Placement) -> None:
         where = "local" if placement.local else "remote"
         self.decisions.labels(placement.mode.value, where, placement.reason).inc()
+
+    def count_always(self) -> None:
+        """An `always` attempt: the prefill pool, undecided (its node is picked later)."""
+        self.decisions.labels(DisaggMode.ALWAYS.value, "remote", "mode").inc()

@@ -27,6 +27,7 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     report = json.loads(out.read_text())
     assert report["proxies"] == 2
     assert report["kv_streaming"] == "on"  # the proxy's default: the streamed prefill call
+    assert report["disagg_mode"] == "always"  # the bench's default: every prompt disaggregated
     for key in ("requests_per_s", "tokens_per_s", "added_ttft_ms_p99"):
         assert report[key] > 0
     phases = report["phases"]
@@ -35,6 +36,9 @@ def test_bench_proxy_relays_every_token_and_writes_its_json(
     throughput = phases["throughput"]
     # every request's tokens came through, as the usage chunk counts them
     assert throughput["tokens"] == throughput["completed"] * 24
+    # every attempt of each proxy phase went to the prefill pool, counted by both proxies
+    for name in ("throughput", "requests", "latency"):
+        assert phases[name]["placements"] == {"remote/mode": phases[name]["completed"]}
     latency = phases["latency"]
     assert latency["completed"] == 20  # the open loop's bounded count: rate x duration
     # each event with decode tokens timed, write to read (lines that waited for the proxy

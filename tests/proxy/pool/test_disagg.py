@@ -19,7 +19,7 @@ from proxy.pool.client import NodeClient
 from proxy.pool.colocated import ColocatedBackend
 from proxy.pool.disagg import DisaggBackend, DisaggConfig
 from proxy.pool.node_state import Role
-from proxy.pool.placement import DisaggMode, PlacementConfig
+from proxy.pool.placement import DisaggMode, PlacementConfig, PlacementMetrics
 from proxy.pool.registry import NodeRegistry, RegistryConfig
 from proxy.trace import TraceStore
 from tests.support.node_stubs import FAST, StubNode, eventually, proxy_stack, run, stubs
@@ -55,6 +55,24 @@ def test_first_token_from_prefill_then_the_decode_stream() -> None:
             assert pre.request_id == dec.request_id == "req-1" and pre.lease_s == 7.0
             assert dec.first_token_id == 7 and dec.kv.engine_id == prefill.engine_id
             assert prefill.cancels == decode.cancels == []
+
+    run(body())
+
+
+def test_always_counts_each_attempt_as_a_prefill_pool_placement() -> None:
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            registry = CollectorRegistry()
+            metrics = PlacementMetrics(registry, DisaggMode.ALWAYS)
+            backend = DisaggBackend(
+                stack.registry, stack.client, stack.queue, placement_metrics=metrics
+            )
+            for rid in ("req-1", "req-2"):
+                assert _tokens(await _collect(backend.generate(_request(rid)))) == [7, 8, 9, 10]
+            labels = {"mode": "always", "placement": "remote", "reason": "mode"}
+            assert registry.get_sample_value("pdserve_proxy_placements_total", labels) == 2
+            assert len(prefill.calls) == 2 and decode.paths() == ["/internal/decode"] * 2
 
     run(body())
 
