@@ -157,7 +157,9 @@ def _backend(
     queue = InterStageQueue(registry, client, InterStageMetrics(metrics), queue_config)
     registry.add_listener(lambda node: queue.notify_capacity())
     mode = DisaggMode(settings.disagg_mode)
-    placement = PlacementConfig(mode, settings.local_prefill_max_tokens, settings.slo_ttft_s)
+    placement = PlacementConfig(
+        mode, settings.local_prefill_max_tokens, settings.slo_ttft_s, settings.slo_tpot_s
+    )
     return queue, DisaggBackend(
         registry,
         client,

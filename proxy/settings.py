@@ -38,6 +38,7 @@ class ProxySettings:
     disagg_mode: str = "auto"  # always | never | auto: conditional disaggregation (placement.py)
     local_prefill_max_tokens: int = 256  # auto: the longest uncached prompt prefilled locally
     slo_ttft_s: float | None = None  # auto: the TTFT objective a local prefill may rescue
+    slo_tpot_s: float | None = None  # auto: the TPOT objective a local prefill must keep
     trace_capacity: int = 2048  # recent requests whose traces GET /debug/requests/{id}/trace has
     interstage_capacity: int = 0  # pre-decode requests; 0: the decode nodes' max_num_seqs
     prefill_backlog_s: float = 2.0  # prefill work admitted ahead, in seconds (0: no limit)
@@ -82,6 +83,8 @@ class ProxySettings:
             raise ValueError("local_prefill_max_tokens must be >= 0")
         if self.slo_ttft_s is not None and not self.slo_ttft_s > 0:
             raise ValueError("slo_ttft_s must be > 0")
+        if self.slo_tpot_s is not None and not self.slo_tpot_s > 0:
+            raise ValueError("slo_tpot_s must be > 0")
         if min(self.interstage_capacity, self.edge_deadline_s, self.prefill_backlog_s) < 0:
             raise ValueError(
                 "interstage_capacity, edge_deadline_s and prefill_backlog_s must be >= 0"

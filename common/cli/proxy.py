@@ -49,6 +49,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         disagg_mode=args.disagg_mode,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
+        slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
         trace_capacity=args.trace_capacity,
         interstage_capacity=args.interstage_capacity,
         prefill_backlog_s=args.prefill_backlog_s,

@@ -267,3 +267,11 @@ def add_routing_arg(g: argparse._ActionsContainer) -> None:
         "the prefill pool would miss it is prefilled on a decode node that meets it, even when "
         "that costs the node's streams more than it saves (0: no objective): %(default)s",
     )
+    g.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=0.0,
+        help="auto: the time-per-output-token objective; a prompt is prefilled on a decode "
+        "node only if the stall leaves each of the node's streams within it (0: no "
+        "objective): %(default)s",
+    )

@@ -88,6 +88,7 @@ class UpConfig:
     disagg_mode: str = "auto"  # always | never | auto (conditional disaggregation)
     local_prefill_max_tokens: int = 256
     slo_ttft_s: float | None = None  # auto: the TTFT objective (placement.py)
+    slo_tpot_s: float | None = None  # auto: the TPOT objective (placement.py)
     kv_streaming: bool = True
     stall_timeout_s: float = NodeTimeouts.stall_s
     silent_after_s: float | None = None
@@ -117,6 +118,8 @@ class UpConfig:
             raise ValueError("--local-prefill-max-tokens must be >= 0")
         if self.slo_ttft_s is not None and not self.slo_ttft_s > 0:
             raise ValueError("--slo-ttft-ms must be > 0 (or 0: no objective)")
+        if self.slo_tpot_s is not None and not self.slo_tpot_s > 0:
+            raise ValueError("--slo-tpot-ms must be > 0 (or 0: no objective)")
         if self.pin_cores:
             self.node_cpus()  # enough cores for every node, or a clear error now
 
@@ -375,6 +378,7 @@ async def start_service(
         disagg_mode=cfg.disagg_mode,
         local_prefill_max_tokens=cfg.local_prefill_max_tokens,
         slo_ttft_s=cfg.slo_ttft_s,
+        slo_tpot_s=cfg.slo_tpot_s,
         kv_streaming=cfg.kv_streaming,
         silent_after_s=cfg.silent_after_s,
         timeouts=NodeTimeouts(stall_s=cfg.stall_timeout_s),
@@ -547,6 +551,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         disagg_mode=args.disagg_mode,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
+        slo_tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None,
         kv_streaming=args.kv_streaming == "on",
         stall_timeout_s=args.stall_timeout_s,
         silent_after_s=args.silent_after_s,

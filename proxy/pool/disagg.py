@@ -56,6 +56,7 @@ from proxy.http.backend import BackendError, GenerationRequest, NodeLost, TokenC
 from proxy.metrics import DisaggMetrics
 from proxy.pool.budget import Claim, Limits, PreDecodeBudget
 from proxy.pool.client import NodeClient, NodeStream, NodeUnreachable
+from proxy.pool.decode_clocks import DecodeClocks
 from proxy.pool.interstage import InterStageQueue, QueueEntry
 from proxy.pool.node_state import Node, Role
 from proxy.pool.placement import (
@@ -119,6 +120,7 @@ class DisaggBackend:
         self.budget = budget or PreDecodeBudget(lambda: Limits(1 << 30, None))
         self.placement = placement or PlacementConfig(DisaggMode.ALWAYS)
         self.placement_metrics = placement_metrics
+        self.clocks = DecodeClocks()  # auto with the TPOT objective: the decode streams' slack
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
         """The request's stream. It is pre-decode (in `budget`, held by the edge that
@@ -189,8 +191,13 @@ class DisaggBackend:
                 stream, ticket = opened
                 self.budget.release(budget_id)
                 computed = functools.partial(node.computed, ticket)  # at the first token
-                chunks = relay(
-                    stream, req, self.client, self.queue, traces=self.traces, on_first=computed
+                chunks = self._clocked(
+                    node.url,
+                    req,
+                    relay(
+                        stream, req, self.client, self.queue, traces=self.traces, on_first=computed
+                    ),
+                    None,
                 )
                 async with aclosing(chunks):
                     async for chunk in chunks:
@@ -227,13 +234,14 @@ class DisaggBackend:
         pre-decode budget then) and relay its stream; the entry is cancelled on any exit
         before that."""
         try:
+            first_s = time.monotonic()
             yield first
             stream = await self.queue.wait(entry)
         except BaseException:  # GeneratorExit, CancelledError, the entry's BackendError
             self.queue.cancel(entry)
             raise
         self.budget.release(budget_id)
-        async with aclosing(self._decode(req, stream, prefill_url)) as chunks:
+        async with aclosing(self._decode(req, stream, prefill_url, first_s)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -292,12 +300,11 @@ class DisaggBackend:
             node.computed(ticket)  # the first token came (or never will, from this call)
 
     async def _decode(
-        self, req: GenerationRequest, stream: NodeStream, prefill_url: str
+        self, req: GenerationRequest, stream: NodeStream, prefill_url: str, first_s: float
     ) -> TokenStream:
         self.traces.record(req.request_id, "dispatched", detail=stream.url, stage=Stage.TRANSFER)
-        async with aclosing(
-            relay(stream, req, self.client, self.queue, prefill_url, self.traces)
-        ) as chunks:
+        relayed = relay(stream, req, self.client, self.queue, prefill_url, self.traces)
+        async with aclosing(self._clocked(stream.url, req, relayed, first_s)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -351,7 +358,44 @@ class DisaggBackend:
         roomy = [e for e in local if has_room(e)]
         pool_wait_s = ahead_tokens / sum(pool_rates) if ahead_tokens and pool_rates else 0.0
         candidates = roomy or (local if remote is None else [])
-        return place(self.placement, remote, candidates, waited_s, pool_wait_s)
+        return place(self.placement, remote, candidates, waited_s, pool_wait_s, self._slack_s)
+
+    def _slack_s(self, node: Node) -> float | None:
+        objective = self.placement.tpot_slo_s
+        return None if objective is None else self.clocks.slack_s(node.url, objective)
+
+    async def _clocked(
+        self, url: str, req: GenerationRequest, chunks: TokenStream, first_s: float | None
+    ) -> TokenStream:
+        """`chunks`, the stream of `req` from decode node `url`, timed in `clocks` while it
+        lasts (auto with the TPOT objective, one choice): from `first_s`, when its first
+        token was relayed, or (None) from its first chunk here."""
+        timed = (
+            self.placement.mode is DisaggMode.AUTO
+            and self.placement.tpot_slo_s is not None
+            and req.sampling.n == 1
+        )
+        if not timed:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+            return
+        key, clock = req.request_id, None
+        if first_s is not None:
+            clock = self.clocks.start(url, key, req.sampling.max_tokens, first_s)
+        try:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    n = len(chunk.token_ids)
+                    if clock is None:  # the first token(s): no gap before them
+                        now = time.monotonic()
+                        clock = self.clocks.start(url, key, req.sampling.max_tokens, now, n)
+                    else:
+                        self.clocks.tokens(url, clock, n)
+                    yield chunk
+        finally:
+            if clock is not None:
+                self.clocks.stop(url, key)
 
     def _place(self, req: GenerationRequest) -> Placement | None:
         """Where this attempt's prompt is prefilled (None: the prefill pool, undecided, as

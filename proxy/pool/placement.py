@@ -25,6 +25,12 @@ saves it. The objective only adds local placements that the cost alone refuses (
 prefill pool, not the decode node, is the bottleneck); without it `auto` decides on latency
 alone.
 
+With the TPOT objective too (`--slo-tpot-ms`), a prompt either rule would prefill locally
+stays on the prefill pool (reason `misses_tpot_slo`) when its prefill time on the decode
+node exceeds the least slack of the streams there: what the slowest of them may still lose
+before its TPOT misses the objective (decode_clocks.py). The cost above weighs latency in
+all; this keeps any one stream within its objective, which a goodput counts.
+
 The estimates come from the router (router.py): (queued prompt tokens + this prompt's
 uncached tokens there) / the node's measured prefill rate (a decode node that has not
 prefilled yet borrows the prefill pool's rate). Each of the node's streams waits one step
@@ -55,11 +61,13 @@ decides nothing, and counts each attempt as `remote` with reason `mode`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
 from prometheus_client import CollectorRegistry, Counter
 
+from proxy.pool.node_state import Node
 from proxy.pool.router import Decision, Estimate
 
 
@@ -76,6 +84,7 @@ REASONS = (
     "not_earlier",
     "stalls_decode",
     "meets_ttft_slo",
+    "misses_tpot_slo",
     "too_long",
     "no_room",
     "no_prefill_node",
@@ -93,12 +102,18 @@ class PlacementConfig:
     # prefill-pool estimate misses it is prefilled on a decode node whose estimate meets it,
     # whatever that costs the node's streams.
     ttft_slo_s: float | None = None
+    # auto: the time-per-output-token objective, in seconds (None: not known). A prompt is
+    # prefilled on a decode node only if the stall leaves every stream there within it
+    # (decode_clocks.py), whatever it gains.
+    tpot_slo_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.local_max_tokens < 0:
             raise ValueError(f"local_max_tokens must be >= 0, got {self.local_max_tokens}")
         if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
             raise ValueError(f"ttft_slo_s must be > 0, got {self.ttft_slo_s}")
+        if self.tpot_slo_s is not None and not self.tpot_slo_s > 0:
+            raise ValueError(f"tpot_slo_s must be > 0, got {self.tpot_slo_s}")
 
 
 @dataclass(frozen=True)
@@ -134,12 +149,15 @@ def place(
     local: list[Estimate],
     waited_s: float = 0.0,
     pool_wait_s: float = 0.0,
+    slack_s: Callable[[Node], float | None] | None = None,
 ) -> Placement:
     """Where to prefill, given the prefill pool's pick (`remote`, None if the pool has no
     healthy node) and the estimates of the decode nodes with room for the prompt (`local`).
     For the TTFT objective: `waited_s`, how long the request has waited so far, and
     `pool_wait_s`, how long it would still wait at the edge before it may join the prefill
-    pool's queue (the prompts ahead of it there). Raises ValueError when neither is possible."""
+    pool's queue (the prompts ahead of it there). For the TPOT objective: `slack_s`, the
+    least slack of a decode node's streams (None: unknown). Raises ValueError when neither is
+    possible."""
     best = min(local, key=lambda e: e.ttft_s + stall_cost(e)) if local else None
     if remote is None and best is None:
         raise ValueError("no prefill node and no decode node with room")
@@ -155,13 +173,17 @@ def place(
     if best.uncached > config.local_max_tokens:
         return decide(False, "too_long")
     gain, cost = remote.chosen.ttft_s - best.ttft_s, stall_cost(best)
-    if gain > 0 and gain > cost:
-        return decide(True, "earlier", cost)
     slo = config.ttft_slo_s
     late = waited_s + pool_wait_s + remote.chosen.ttft_s  # its first token from the pool
-    if slo is not None and waited_s + best.ttft_s <= slo < late:
-        return decide(True, "meets_ttft_slo", cost)
-    return decide(False, "not_earlier" if gain <= 0 else "stalls_decode", cost)
+    earlier = gain > 0 and gain > cost
+    rescues = slo is not None and waited_s + best.ttft_s <= slo < late
+    if not (earlier or rescues):
+        return decide(False, "not_earlier" if gain <= 0 else "stalls_decode", cost)
+    if config.tpot_slo_s is not None and slack_s is not None:
+        slack = slack_s(best.node)
+        if slack is not None and best.uncached / best.rate > slack:
+            return decide(False, "misses_tpot_slo", cost)
+    return decide(True, "earlier" if earlier else "meets_ttft_slo", cost)
 
 
 def stall_cost(e: Estimate) -> float:

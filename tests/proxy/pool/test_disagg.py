@@ -279,6 +279,44 @@ def test_auto_prefills_a_short_prompt_on_the_decode_node_when_the_prefill_queue_
     run(body())
 
 
+def test_the_tpot_objective_times_each_decode_stream_and_spares_a_node_without_slack() -> None:
+    """`auto` with the TPOT objective: the streams relayed from a decode node are timed
+    while they last (a local one from its first chunk, a remote one from its first token);
+    a node whose streams have no slack left gets no local prefill, however much earlier."""
+
+    async def body() -> None:
+        prefill, decode = StubNode("prefill"), StubNode("decode")
+        prefill.queued_prefill_tokens, prefill.prefill_tokens_per_s = 4000, 400.0  # 10 s queued
+        decode.token_delay = 0.05
+        async with stubs(prefill, decode), proxy_stack((prefill,), (decode,)) as stack:
+            traces = TraceStore(16)
+            placement = PlacementConfig(DisaggMode.AUTO, local_max_tokens=64, tpot_slo_s=0.1)
+            backend = DisaggBackend(
+                stack.registry, stack.client, stack.queue, traces=traces, placement=placement
+            )
+            clocks = backend.clocks
+            first = asyncio.ensure_future(_collect(backend.generate(_request("req-1"))))
+            await eventually(lambda: clocks.step_s(decode.url) is not None, what="timed")
+            assert clocks.streams(decode.url) == 1 and decode.paths() == ["/internal/generate"]
+            assert _tokens(await first) == [7, 8, 9, 10]
+            assert clocks.streams(decode.url) == 0  # stopped with its stream
+            # A stream that has used up its objective: 3 tokens, the first 10 s ago.
+            late = clocks.start(decode.url, "late", 3, time.monotonic() - 10.0)
+            clocks.tokens(decode.url, late, 1)
+            traces.start("req-2", "chat")
+            second = asyncio.ensure_future(_collect(backend.generate(_request("req-2"))))
+            await eventually(lambda: clocks.streams(decode.url) == 2, what="remote stream timed")
+            assert _tokens(await second) == [7, 8, 9, 10]
+            assert [p for p, _ in prefill.calls] == ["/internal/prefill"]
+            assert clocks.streams(decode.url) == 1  # the made-up one
+            trace = traces.get("req-2")
+            assert trace is not None
+            (placed,) = [r for r in trace.rows if r.event == "placed"]
+            assert placed.detail.startswith("auto: prefill pool (misses_tpot_slo)")
+
+    run(body())
+
+
 def test_a_ttft_objective_counts_from_the_requests_arrival_and_the_prompts_ahead_of_it() -> None:
     """A decode node with 32 streams: a 48-token local prefill would cost them 3.84 s in all,
     more than the 3 s it saves a prompt behind 1,200 queued tokens, so `auto` keeps it on the

@@ -150,6 +150,29 @@ def test_the_static_modes() -> None:
     assert never.local and never.reason == "mode"
 
 
+def test_the_tpot_objective_keeps_a_prompt_off_a_decode_node_whose_streams_lack_the_slack() -> None:
+    # 48 tokens locally: a 120 ms stall, 3 s earlier than behind 1,200 queued tokens.
+    config = PlacementConfig(DisaggMode.AUTO, local_max_tokens=256, tpot_slo_s=0.1)
+    local = [estimate("http://d", Role.DECODE, 0, 48)]
+    for slack, where, reason in (
+        (0.05, False, "misses_tpot_slo"),
+        (0.5, True, "earlier"),
+        (None, True, "earlier"),  # unknown (no stream timed there yet): as without
+    ):
+        p = place(config, remote(1200, 48), local, slack_s=lambda node, s=slack: s)
+        assert (p.local, p.reason) == (where, reason)
+    # the TTFT objective's rescue too: late from the pool, in time locally, but no slack
+    rescue = PlacementConfig(DisaggMode.AUTO, 256, ttft_slo_s=5.0, tpot_slo_s=0.1)
+    busy_node = [busy("http://d", 32, 0, 48)]  # the cost outweighs the 3 s gain
+    p = place(rescue, remote(1200, 48), busy_node, waited_s=4.0, slack_s=lambda node: 1.0)
+    assert (p.local, p.reason) == (True, "meets_ttft_slo")
+    p = place(rescue, remote(1200, 48), busy_node, waited_s=4.0, slack_s=lambda node: 0.1)
+    assert (p.local, p.reason) == (False, "misses_tpot_slo")
+    # without the objective the slack is not asked for
+    p = place(AUTO, remote(1200, 48), local, slack_s=lambda node: -1.0)
+    assert p.local and p.reason == "earlier"
+
+
 def test_decisions_are_counted_by_mode_placement_and_reason() -> None:
     registry = CollectorRegistry()
     metrics = PlacementMetrics(registry, DisaggMode.AUTO)
@@ -171,3 +194,5 @@ def test_config_is_checked() -> None:
     for slo_s in (0.0, -1.0):
         with pytest.raises(ValueError):
             PlacementConfig(ttft_slo_s=slo_s)
+        with pytest.raises(ValueError):
+            PlacementConfig(tpot_slo_s=slo_s)
