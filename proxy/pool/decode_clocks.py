@@ -6,17 +6,20 @@ there.
 A stream's TPOT is (its last token's time - its first's) / (tokens - 1), so over its
 `max_tokens` = N tokens it may take (N - 1) x objective from its first token to its last.
 Of that it has used the time since its first token, and its k tokens so far leave N - k
-steps, each of about the node's step time now (the median gap between tokens that the
-proxy relayed from the node lately: a stall is one gap of many, and the median ignores
-it). What is left is its slack:
+steps, each of about the node's step time now (the mean gap between the tokens that the
+proxy relayed from the node lately, stalls included: a TPOT is a mean, and the stalls that
+raised the recent gaps recur). What is left is its slack:
 
     slack = (N - 1) x objective - (now - first token) - (N - k) x step time
 
 A local prefill of the prompt holds every stream on the node for one longer step (the
 prompt's prefill time there), which a stream whose slack is smaller would miss its
 objective by. The slack spent by each stall shows in the next decision: the elapsed time
-has grown and the step time with it. A stream may end sooner (a stop token); then its TPOT
-is over fewer tokens, and the same stall weighs more: the estimate is the best case.
+has grown and the step time with it. (Session 39 first took the median gap: it is the
+typical decode step, below the mean that TPOT is, and `auto` never found a stream short of
+slack while the runs' TPOT p50 was 95 ms against a 100 ms objective.) A stream may end
+sooner (a stop token); then its TPOT is over fewer tokens, and the same stall weighs more:
+the estimate is the best case.
 
 Each proxy knows only the streams it relays; with several proxies in front of one decode
 pool, each judges the node by its own share (the streams of the others are unseen).
@@ -24,12 +27,11 @@ pool, each judges the node by its own share (the streams of the others are unsee
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-GAPS = 64  # the recent gaps between tokens a node's step time is the median of
+GAPS = 256  # the recent gaps between tokens a node's step time is the mean of
 
 
 @dataclass
@@ -50,6 +52,14 @@ class Clock:
 class _NodeClocks:
     streams: dict[str, Clock] = field(default_factory=dict)
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAPS))
+    total: float = 0.0  # of gaps
+
+    def add(self, gap: float, n: int) -> None:
+        for _ in range(min(n, GAPS)):
+            if len(self.gaps) == GAPS:
+                self.total -= self.gaps[0]
+            self.gaps.append(gap)
+            self.total += gap
 
 
 class DecodeClocks:
@@ -68,8 +78,7 @@ class DecodeClocks:
         now = time.monotonic() if now is None else now
         node = self._nodes.get(url)
         if node is not None and n > 0:
-            gap = (now - clock.last_s) / n
-            node.gaps.extend([gap] * min(n, GAPS))
+            node.add((now - clock.last_s) / n, n)
         clock.tokens += n
         clock.last_s = now
 
@@ -84,7 +93,7 @@ class DecodeClocks:
     def step_s(self, url: str) -> float | None:
         """The node's step time now, as its streams' recent gaps show (None: none yet)."""
         node = self._nodes.get(url)
-        return statistics.median(node.gaps) if node is not None and node.gaps else None
+        return node.total / len(node.gaps) if node is not None and node.gaps else None
 
     def slack_s(self, url: str, objective_s: float, now: float | None = None) -> float | None:
         """The least slack of the node's streams against the TPOT objective (None: no stream

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.pool.decode_clocks import DecodeClocks
+from proxy.pool.decode_clocks import GAPS, DecodeClocks
 
 URL = "http://d"
 
@@ -21,10 +21,21 @@ def test_slack_is_the_objective_left_after_the_time_used_and_the_steps_to_come()
     assert clocks.step_s(URL) == pytest.approx(0.05)
     # used 0.2 s, 6 tokens to come at 50 ms: 1.0 - 0.2 - 0.3
     assert clocks.slack_s(URL, 0.1, now=0.2) == pytest.approx(0.5)
-    # a stall: one 0.4 s gap is spent from the slack, but the step time stays the median
+    # a stall: one 0.4 s gap, spent from the slack and raising the mean gap
     clocks.tokens(URL, clock, 1, now=0.6)
-    assert clocks.step_s(URL) == pytest.approx(0.05)
-    assert clocks.slack_s(URL, 0.1, now=0.6) == pytest.approx(1.0 - 0.6 - 5 * 0.05)
+    assert clocks.step_s(URL) == pytest.approx(0.12)
+    assert clocks.slack_s(URL, 0.1, now=0.6) == pytest.approx(1.0 - 0.6 - 5 * 0.12)
+
+
+def test_the_step_time_is_the_mean_of_the_recent_gaps_only() -> None:
+    clocks = DecodeClocks()
+    clock = clocks.start(URL, "a", max_tokens=10_000, first_s=0.0)
+    clocks.tokens(URL, clock, 1, now=10.0)  # one long gap...
+    t = 10.0
+    for _ in range(GAPS):  # ...pushed out by GAPS gaps of 10 ms
+        t += 0.01
+        clocks.tokens(URL, clock, 1, now=t)
+    assert clocks.step_s(URL) == pytest.approx(0.01)
 
 
 def test_the_least_slack_of_the_nodes_streams_and_a_chunk_of_several_tokens() -> None:
