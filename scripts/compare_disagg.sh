@@ -248,7 +248,7 @@ trap 'exit 130' INT TERM
 start_deployment() {
     local name="$1"; shift
     local dir="$out/$name" port
-    port="$("$py" -c 'from common.cli.up import free_port; print(free_port())')"
+    port="$("$py" -c 'from common.cli.node_process import free_port; print(free_port())')"
     url="http://127.0.0.1:$port"
     say "$name: pdserve up $* on $url"
     "$py" -m common.cli up --host 127.0.0.1 --port "$port" --log-dir "$dir/node-logs" --model "$model" \

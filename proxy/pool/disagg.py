@@ -21,8 +21,8 @@ computes; the prefill node writes each finished group at once, and the first tok
 to the decode node with the last group. Cancellation is unchanged: the entry is cancelled
 wherever it is, and both nodes are told.
 
-Conditional disaggregation (placement.py): unless `--disagg-mode always`, each attempt first
-decides where its prompt is prefilled. A prompt placed locally goes straight to a decode node
+Conditional disaggregation (placement.py, placer.py): unless `--disagg-mode always`, each
+attempt first decides where its prompt is prefilled. A prompt placed locally goes straight to a decode node
 (POST /internal/generate, as to a colocated node): no prefill call, no inter-stage queue, no
 KV transfer; it leaves the pre-decode budget as soon as the decode node accepts it.
 
@@ -59,18 +59,12 @@ from proxy.pool.client import NodeClient, NodeStream, NodeUnreachable
 from proxy.pool.decode_clocks import DecodeClocks
 from proxy.pool.interstage import InterStageQueue, QueueEntry
 from proxy.pool.node_state import Node, Role
-from proxy.pool.placement import (
-    DisaggMode,
-    Placement,
-    PlacementConfig,
-    PlacementMetrics,
-    has_room,
-    place,
-)
+from proxy.pool.placement import DisaggMode, PlacementConfig, PlacementMetrics
+from proxy.pool.placer import Placer
 from proxy.pool.prefill_stream import PrefillStream
 from proxy.pool.registry import NodeRegistry
 from proxy.pool.relay import open_generate, relay, report_stall, report_unreachable
-from proxy.pool.router import Decision, rates
+from proxy.pool.router import Decision
 from proxy.trace import TraceStore
 
 log = logging.getLogger(__name__)
@@ -118,9 +112,8 @@ class DisaggBackend:
         self.metrics = metrics
         self.traces = traces or TraceStore(1)
         self.budget = budget or PreDecodeBudget(lambda: Limits(1 << 30, None))
-        self.placement = placement or PlacementConfig(DisaggMode.ALWAYS)
-        self.placement_metrics = placement_metrics
-        self.clocks = DecodeClocks()  # auto with the TPOT objective: the decode streams' slack
+        where = placement or PlacementConfig(DisaggMode.ALWAYS)
+        self.placer = Placer(registry, self.traces, where, placement_metrics)
 
     async def generate(self, req: GenerationRequest) -> TokenStream:
         """The request's stream. It is pre-decode (in `budget`, held by the edge that
@@ -181,7 +174,7 @@ class DisaggBackend:
         """Prefill `req`, yield its first token, queue it for decode and relay the stream
         (or, placed locally, relay the whole stream of the decode node that prefills it);
         `budget_id` leaves the pre-decode budget once a decode node has taken it."""
-        placement = self._place(req)
+        placement = self.placer.place(req)
         remote = placement.remote if placement is not None else None
         if placement is not None and placement.local:
             assert placement.local_best is not None
@@ -191,7 +184,7 @@ class DisaggBackend:
                 stream, ticket = opened
                 self.budget.release(budget_id)
                 computed = functools.partial(node.computed, ticket)  # at the first token
-                chunks = self._clocked(
+                chunks = self.placer.clocked(
                     node.url,
                     req,
                     relay(
@@ -304,7 +297,7 @@ class DisaggBackend:
     ) -> TokenStream:
         self.traces.record(req.request_id, "dispatched", detail=stream.url, stage=Stage.TRANSFER)
         relayed = relay(stream, req, self.client, self.queue, prefill_url, self.traces)
-        async with aclosing(self._clocked(stream.url, req, relayed, first_s)) as chunks:
+        async with aclosing(self.placer.clocked(stream.url, req, relayed, first_s)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -333,87 +326,20 @@ class DisaggBackend:
     def prefills_locally(
         self, prompt: Sequence[int], waited_s: float = 0.0, ahead_tokens: int = 0
     ) -> bool:
-        """Whether `prompt` would be prefilled on a decode node now (no side effect): the
-        edge lets such a prompt past the prefill pool's backlog horizon (budget.py). For the
-        TTFT objective: it has waited `waited_s` at the edge, behind `ahead_tokens` prompt
-        tokens still to prefill that wait there before it."""
-        if self.placement.mode is DisaggMode.ALWAYS:
-            return False
-        try:
-            return self._placement(prompt, time.perf_counter(), waited_s, ahead_tokens).local
-        except (ValueError, BackendError):  # no node to place it on: it waits
-            return False
+        """Placer.prefills_locally: what the edge asks (budget.py)."""
+        return self.placer.prefills_locally(prompt, waited_s, ahead_tokens)
 
-    def _placement(
-        self, prompt: Sequence[int], started: float, waited_s: float = 0.0, ahead_tokens: int = 0
-    ) -> Placement:
-        """Where `prompt` would be prefilled now (not `always`); ValueError or BackendError
-        when no node can take it."""
-        router = self.registry.router
-        remote: Decision | None = None
-        if self.placement.mode is DisaggMode.AUTO and self.registry.routable(Role.PREFILL):
-            remote = router.choose(router.estimates(Role.PREFILL, prompt), started)
-        pool_rates = rates(self.registry.healthy(Role.PREFILL))
-        local = router.estimates(Role.DECODE, prompt, fallback_rates=pool_rates)
-        roomy = [e for e in local if has_room(e)]
-        pool_wait_s = ahead_tokens / sum(pool_rates) if ahead_tokens and pool_rates else 0.0
-        candidates = roomy or (local if remote is None else [])
-        return place(self.placement, remote, candidates, waited_s, pool_wait_s, self._slack_s)
+    @property
+    def placement(self) -> PlacementConfig:
+        return self.placer.config
 
-    def _slack_s(self, node: Node) -> float | None:
-        objective = self.placement.tpot_slo_s
-        return None if objective is None else self.clocks.slack_s(node.url, objective)
+    @placement.setter
+    def placement(self, config: PlacementConfig) -> None:
+        self.placer.config = config
 
-    async def _clocked(
-        self, url: str, req: GenerationRequest, chunks: TokenStream, first_s: float | None
-    ) -> TokenStream:
-        """`chunks`, the stream of `req` from decode node `url`, timed in `clocks` while it
-        lasts (auto with the TPOT objective, one choice): from `first_s`, when its first
-        token was relayed, or (None) from its first chunk here."""
-        timed = (
-            self.placement.mode is DisaggMode.AUTO
-            and self.placement.tpot_slo_s is not None
-            and req.sampling.n == 1
-        )
-        if not timed:
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    yield chunk
-            return
-        key, clock = req.request_id, None
-        if first_s is not None:
-            clock = self.clocks.start(url, key, req.sampling.max_tokens, first_s)
-        try:
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    n = len(chunk.token_ids)
-                    if clock is None:  # the first token(s): no gap before them
-                        now = time.monotonic()
-                        clock = self.clocks.start(url, key, req.sampling.max_tokens, now, n)
-                    else:
-                        self.clocks.tokens(url, clock, n)
-                    yield chunk
-        finally:
-            if clock is not None:
-                self.clocks.stop(url, key)
-
-    def _place(self, req: GenerationRequest) -> Placement | None:
-        """Where this attempt's prompt is prefilled (None: the prefill pool, undecided, as
-        `always` does); traced and counted."""
-        if self.placement.mode is DisaggMode.ALWAYS:
-            if self.placement_metrics is not None:
-                self.placement_metrics.count_always()
-            return None
-        prompt, router = req.prompt_token_ids, self.registry.router
-        waited_s = time.monotonic() - req.arrived_s
-        placement = self._placement(prompt, time.perf_counter(), waited_s)
-        self.traces.record(req.request_id, "placed", detail=placement.detail())
-        if self.placement_metrics is not None:
-            self.placement_metrics.count(placement)
-        if placement.local:
-            assert placement.local_best is not None
-            router.expect(placement.local_best.node, prompt)
-        return placement
+    @property
+    def clocks(self) -> DecodeClocks:
+        return self.placer.clocks
 
     async def _open_local(
         self, req: GenerationRequest, node: Node, uncached: int
