@@ -22,9 +22,10 @@ to the decode node with the last group. Cancellation is unchanged: the entry is 
 wherever it is, and both nodes are told.
 
 Conditional disaggregation (placement.py, placer.py): unless `--disagg-mode always`, each
-attempt first decides where its prompt is prefilled. A prompt placed locally goes straight to a decode node
-(POST /internal/generate, as to a colocated node): no prefill call, no inter-stage queue, no
-KV transfer; it leaves the pre-decode budget as soon as the decode node accepts it.
+attempt first decides where its prompt is prefilled. A prompt placed locally goes straight
+to a decode node (POST /internal/generate, as to a colocated node): no prefill call, no
+inter-stage queue, no KV transfer; it leaves the pre-decode budget as soon as the decode
+node accepts it.
 
 A started request whose node is lost (`NodeLost`: its stream broke, went silent for the
 stall timeout, or the registry found the node unreachable) is continued elsewhere by

@@ -91,22 +91,23 @@ class Placer:
         objective = self.config.tpot_slo_s
         return None if objective is None else self.clocks.slack_s(node.url, objective)
 
-    async def clocked(
+    def clocked(
         self, url: str, req: GenerationRequest, chunks: TokenStream, first_s: float | None
     ) -> TokenStream:
         """`chunks`, the stream of `req` from decode node `url`, timed in `clocks` while it
-        lasts (auto with the TPOT objective, one choice): from `first_s`, when its first
-        token was relayed, or (None) from its first chunk here. Closes `chunks`."""
+        lasts (auto with the TPOT objective, one choice: else `chunks` itself, no hop more
+        per chunk): from `first_s`, when its first token was relayed, or (None) from its
+        first chunk here."""
         timed = (
             self.config.mode is DisaggMode.AUTO
             and self.config.tpot_slo_s is not None
             and req.sampling.n == 1
         )
-        if not timed:
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    yield chunk
-            return
+        return self._timed(url, req, chunks, first_s) if timed else chunks
+
+    async def _timed(
+        self, url: str, req: GenerationRequest, chunks: TokenStream, first_s: float | None
+    ) -> TokenStream:
         key, clock = req.request_id, None
         if first_s is not None:
             clock = self.clocks.start(url, key, req.sampling.max_tokens, first_s)
