@@ -666,12 +666,11 @@ async def _phases(
         report["requests_per_s_per_proxy_core"] = r.summary()["requests_per_s_per_proxy_core"]
     if "latency" in phases:
         standins.set_token_interval(args.token_interval_ms / 1000)
-        scrape = bench.proxies[0].url + "/metrics"
         seen = await _placements(bench)
-        before = await asyncio.to_thread(get, scrape)
         r, relay = await bench.open_loop(args.rate, 16, args.duration_s)
-        after = await asyncio.to_thread(get, scrape)
-        placed = await _placed_since(bench, seen)
+        now = await _placements(bench)
+        before, after = seen[0], now[0]  # the first proxy's, for its histograms
+        placed = _placed_between(seen, now)
 
         def own_ms(name: str, q: float) -> float | None:
             value, _ = histogram_quantile(before, after, name, q)
@@ -735,10 +734,14 @@ async def _placements(bench: Bench) -> list[str]:
 
 
 async def _placed_since(bench: Bench, before: list[str]) -> dict[str, int]:
-    """Where the proxies placed the prompts since `before` ("placement/reason" -> count,
-    summed over the proxies): under `always` all remote, reason mode."""
+    return _placed_between(before, await _placements(bench))
+
+
+def _placed_between(before: list[str], now: list[str]) -> dict[str, int]:
+    """Where the proxies placed the prompts between two scrapes of each ("placement/reason"
+    -> count, summed over the proxies): under `always` all remote, reason mode."""
     counts: dict[str, int] = {}
-    for text, after in zip(before, await _placements(bench), strict=True):
+    for text, after in zip(before, now, strict=True):
         for (where, reason), n in placements_between(text, after).items():
             key = f"{where}/{reason}"
             counts[key] = counts.get(key, 0) + n
