@@ -26,6 +26,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "bfloat16 one on a CPU without bfloat16 arithmetic (AVX512-BF16 or AMX)",
     )
     g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the KV cache's dtype (default auto: the model's). Nodes hand KV to each other "
+        "only in one dtype, but each may compute in its own: e.g. prefill nodes in float32 "
+        "(faster for long prompts on a CPU without AMX) with a bfloat16 cache, for bfloat16 "
+        "decode nodes",
+    )
+    g.add_argument(
         "--device",
         default="auto",
         type=_device,
@@ -76,6 +85,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=model_dir(args.model),
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         block_size=args.block_size,
         num_blocks=args.num_blocks,

@@ -12,6 +12,10 @@ from kernels.dispatch import BACKENDS
 class EngineConfig:
     model: str  # local HF model directory
     dtype: str = "auto"  # auto | float32 | bfloat16
+    # The KV cache's: auto (the model's dtype) | float32 | bfloat16. Another dtype than the
+    # model's lets a role compute in the dtype that is fastest for its phase and still hand
+    # its KV to nodes computing in another (the KV's dtype is what the fingerprint checks).
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto (CUDA when there is one, else cpu) | cpu | cuda | cuda:N
     block_size: int = 16
     num_blocks: int | None = None  # None: as many as kv_cache_memory holds
@@ -42,6 +46,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}"
+            )
         if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
             raise ValueError(
                 f"kernel_backend must be one of {', '.join(BACKENDS)}, got {self.kernel_backend!r}"

@@ -55,6 +55,11 @@ log = logging.getLogger(__name__)
 STEP_MEMORY_S = 600.0  # how long the slowest step is remembered (step_time_max_s)
 
 
+def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for `kv_cache_dtype` `name` under a model of `model_dtype`."""
+    return model_dtype if name == "auto" else getattr(torch, name)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -64,16 +69,17 @@ class LLMEngine:
         self.model, self.weights_hash = load_model(config.model, config.dtype, self.device)
         self.model_config: ModelConfig = self.model.config
         mc = self.model_config
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = next(self.model.parameters()).dtype  # the model's (compute) dtype
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         block_shape = (mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim)
-        block_bytes = torch.Size(block_shape).numel() * self.dtype.itemsize
+        block_bytes = torch.Size(block_shape).numel() * self.kv_dtype.itemsize
         num_blocks = config.num_blocks or max(1, config.kv_cache_memory // block_bytes)
         # kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(
-            (num_blocks, *block_shape), dtype=self.dtype, device=self.device
+            (num_blocks, *block_shape), dtype=self.kv_dtype, device=self.device
         )
         self.block_bytes = block_bytes
         self.allocator = BlockAllocator(num_blocks)
@@ -86,10 +92,17 @@ class LLMEngine:
             mc.eos_token_ids,
             prefix_caching=config.enable_prefix_caching,
             # Everything else the KV of a block depends on: the same tokens under another
-            # model, dtype or block size are other bytes.
-            cache_salt=f"{self.weights_hash}/{self.dtype}/{config.block_size}".encode(),
+            # model, compute or cache dtype or block size are other bytes.
+            cache_salt=(
+                f"{self.weights_hash}/{self.dtype}/{self.kv_dtype}/{config.block_size}".encode()
+            ),
         )
         self.kernels = kernels_for(self.device, config.kernel_backend)
+        if self.kv_dtype != self.dtype and self.kernels.name != "torch":
+            raise ValueError(
+                f"a {self.kv_dtype} KV cache under a {self.dtype} model needs the torch kernels "
+                f"(the {self.kernels.name} kernels read and write the model's dtype only)"
+            )
         log.info("kernels: %s on %s", self.kernels.name, self.device)
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.kernels, mc.eos_token_ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.engine.block_allocator import BlockState
 from common.engine.config import EngineConfig
@@ -176,3 +177,64 @@ def test_concurrent_reservations_share_a_cached_prefix(tiny_model_dir: Path) -> 
     assert got == want
     for engine in (prefill, decode):
         assert engine.state()["blocks"]["free"] == 64
+
+
+def test_a_float32_prefill_engine_hands_bfloat16_kv_to_a_bfloat16_decode_engine(
+    tiny_model_dir: Path,
+) -> None:
+    """Each role in its fastest dtype (a CPU without AMX prefills faster in float32 and
+    decodes faster in bfloat16): the prefill engine computes in float32 and stores its KV
+    in bfloat16, the dtype the decode engine's cache has, so the blocks move as they are."""
+    from common.wire.fingerprint import Fingerprint
+
+    def make(dtype: str, kv: str = "auto") -> LLMEngine:
+        config = EngineConfig(
+            model=str(tiny_model_dir), num_blocks=64, block_size=8, dtype=dtype,
+            kv_cache_dtype=kv,
+        )  # fmt: skip
+        return LLMEngine(config)
+
+    prefill, decode, exact = make("float32", "bfloat16"), make("bfloat16"), make("float32")
+    assert prefill.kv_cache.dtype == decode.kv_cache.dtype == torch.bfloat16
+    assert prefill.block_bytes * 2 == exact.block_bytes
+    fingerprint = Fingerprint.for_kv_cache
+    assert fingerprint(prefill.kv_cache, "w") == fingerprint(decode.kv_cache, "w")
+    assert fingerprint(prefill.kv_cache, "w") != fingerprint(exact.kv_cache, "w")
+
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(5, 40))  # 35 tokens: 5 blocks of 8, the last partly filled
+    for engine in (prefill, exact):
+        engine.add_request("r", prompt, sp, hold_kv=True)
+    (first,) = _run(prefill)["r"]
+    (want,) = _run(exact)["r"]
+    # The first layer's KV is the float32 model's rounded to bfloat16 (no attention before
+    # it read a rounded cache); later layers' stay near it.
+    got_kv = prefill.kv_cache[first.held_blocks].float()
+    want_kv = exact.kv_cache[want.held_blocks]
+    assert torch.equal(got_kv[:, 0], want_kv[:, 0].to(torch.bfloat16).float())
+    assert not torch.equal(got_kv[:, 0], want_kv[:, 0])  # (rounded: not the float32 bytes)
+    assert torch.allclose(got_kv, want_kv, rtol=0.05, atol=0.05)
+
+    dst = decode.reserve("r", len(prompt))
+    assert dst is not None and len(dst) == len(first.held_blocks)
+    decode.kv_cache[dst] = prefill.kv_cache[first.held_blocks]  # the "transfer", as is
+    prefill.release_held("r")
+    exact.release_held("r")
+    decode.admit_prefilled("r", prompt, first.new_token_ids[0], sp)
+    out = [t for o in _run(decode)["r"] for t in o.new_token_ids]
+    assert len(out) == 11
+    for engine in (prefill, decode, exact):
+        _run(engine)
+        engine.check_integrity()
+        assert engine.state()["blocks"]["free"] == 64
+
+
+def test_another_kv_dtype_than_the_model_needs_the_torch_kernels(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="float16")
+    config = EngineConfig(
+        model=str(tiny_model_dir), num_blocks=8, dtype="float32", kv_cache_dtype="bfloat16",
+        kernel_backend="triton",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="needs the torch kernels"):
+        LLMEngine(config)
