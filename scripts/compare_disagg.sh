@@ -163,7 +163,14 @@ search_min_rate="${COMPARE_SEARCH_MIN_RATE:-$(awk -v r="$search_start" 'BEGIN{pr
 search_tolerance="${COMPARE_SEARCH_TOLERANCE:-0.15}"
 attainment="${COMPARE_GOODPUT_ATTAINMENT:-0.9}"
 seed="${COMPARE_SEED:-0}"
-read -ra up_extra <<< "${COMPARE_UP_ARGS:-}"
+# split_args ARRAY STRING: STRING split as a shell would (quotes kept together, so that
+# '--prefill-node-args="--dtype float32 --kv-cache-dtype bfloat16"' stays one flag), into ARRAY
+split_args() {
+    local -n into="$1"
+    mapfile -t into < <("$py" -c 'import shlex, sys; print(*shlex.split(sys.argv[1]), sep="\n")' "$2")
+    [[ -n "$2" ]] || into=()
+}
+split_args up_extra "${COMPARE_UP_ARGS:-}"
 startup_timeout="${COMPARE_STARTUP_TIMEOUT_S:-240}"
 speed_probe="${COMPARE_SPEED_PROBE:-1}"
 capacity_probe="${COMPARE_CAPACITY_PROBE:-1}"
@@ -196,7 +203,7 @@ deployment() {
             flags=(--prefill 1 --decode 1 --threads-per-node 1 --pin-cores --disagg-mode auto) ;;
         *) return 1 ;;
     esac
-    read -ra more <<< "${!extra_var:-}"
+    split_args more "${!extra_var:-}"
     flags+=(${up_extra[@]+"${up_extra[@]}"} ${more[@]+"${more[@]}"})
 }
 
@@ -213,7 +220,11 @@ for name in "${selected[@]}"; do
     fi
     seen="${seen:-} $name"
 done
-describe() { echo "$1 ($kind): \`pdserve up ${flags[*]}\`"; }  # after `deployment NAME`
+describe() {  # after `deployment NAME`; each flag quoted where a shell needs it
+    local quoted
+    quoted="$("$py" -c 'import shlex, sys; print(shlex.join(sys.argv[1:]))' "${flags[@]}")"
+    echo "$1 ($kind): \`pdserve up $quoted\`"
+}
 if (( dry_run )); then
     for name in "${selected[@]}"; do deployment "$name"; describe "$name"; done
     exit 0

@@ -419,6 +419,11 @@ def test_compare_disagg_composes_each_deployments_flags() -> None:
         " --kv-streaming on`",
         f"colocated-2x1 (colocated): `pdserve up --colocated 2 {common}`",
     ]
+    # a quoted value stays one flag (split as a shell would), and is shown quoted
+    env = {"COMPARE_STATIC_ARGS": '--prefill-node-args="--dtype float32" --kv-backend zmq'}
+    (static,) = _dry_run("--deployments", "1p1d-static", **env).stdout.splitlines()
+    assert static.endswith("--disagg-mode always '--prefill-node-args=--dtype float32'"
+                           " --kv-backend zmq`")  # fmt: skip
     for bad in ("1p1d", "1p1d-auto,1p1d-auto", ""):
         done = _dry_run("--deployments", bad)
         assert done.returncode == 2 and "compare_disagg:" in done.stderr and not done.stdout
