@@ -85,6 +85,7 @@ REASONS = (
     "stalls_decode",
     "meets_ttft_slo",
     "misses_tpot_slo",
+    "fits_tpot_slo",
     "too_long",
     "no_room",
     "no_prefill_node",
@@ -177,13 +178,17 @@ def place(
     late = waited_s + pool_wait_s + remote.chosen.ttft_s  # its first token from the pool
     earlier = gain > 0 and gain > cost
     rescues = slo is not None and waited_s + best.ttft_s <= slo < late
-    if not (earlier or rescues):
-        return decide(False, "not_earlier" if gain <= 0 else "stalls_decode", cost)
+    slack = None
     if config.tpot_slo_s is not None and slack_s is not None:
         slack = slack_s(best.node)
-        if slack is not None and best.uncached / best.rate > slack:
-            return decide(False, "misses_tpot_slo", cost)
-    return decide(True, "earlier" if earlier else "meets_ttft_slo", cost)
+    fits = slack is not None and best.uncached / best.rate <= slack
+    if slack is not None and not fits and (earlier or rescues):
+        return decide(False, "misses_tpot_slo", cost)
+    if earlier or rescues:
+        return decide(True, "earlier" if earlier else "meets_ttft_slo", cost)
+    if gain > 0 and fits:  # the objective, not the summed latency, bounds the stall
+        return decide(True, "fits_tpot_slo", cost)
+    return decide(False, "not_earlier" if gain <= 0 else "stalls_decode", cost)
 
 
 def stall_cost(e: Estimate) -> float:

@@ -173,6 +173,23 @@ def test_the_tpot_objective_keeps_a_prompt_off_a_decode_node_whose_streams_lack_
     assert p.local and p.reason == "earlier"
 
 
+def test_with_the_tpot_objective_a_stall_every_stream_has_slack_for_is_taken() -> None:
+    # 32 streams: the cost rule (their summed wait) refuses a 3 s gain; the objective
+    # bounds each stream's loss instead, so the slack decides.
+    config = PlacementConfig(DisaggMode.AUTO, local_max_tokens=256, tpot_slo_s=0.1)
+    busy_node = [busy("http://d", 32, 0, 48)]
+    for slack, where, reason in (
+        (1.0, True, "fits_tpot_slo"),
+        (0.05, False, "stalls_decode"),  # no slack either: the cost rule's refusal stands
+        (None, False, "stalls_decode"),  # unknown: as without the objective
+    ):
+        p = place(config, remote(1200, 48), busy_node, slack_s=lambda node, s=slack: s)
+        assert (p.local, p.reason) == (where, reason)
+    # never for a first token that comes no earlier
+    p = place(config, remote(0, 48), busy_node, slack_s=lambda node: 10.0)
+    assert (p.local, p.reason) == (False, "not_earlier")
+
+
 def test_decisions_are_counted_by_mode_placement_and_reason() -> None:
     registry = CollectorRegistry()
     metrics = PlacementMetrics(registry, DisaggMode.AUTO)
