@@ -25,11 +25,17 @@ saves it. The objective only adds local placements that the cost alone refuses (
 prefill pool, not the decode node, is the bottleneck); without it `auto` decides on latency
 alone.
 
-With the TPOT objective too (`--slo-tpot-ms`), a prompt either rule would prefill locally
-stays on the prefill pool (reason `misses_tpot_slo`) when its prefill time on the decode
-node exceeds the least slack of the streams there: what the slowest of them may still lose
-before its TPOT misses the objective (decode_clocks.py). The cost above weighs latency in
-all; this keeps any one stream within its objective, which a goodput counts.
+With the TPOT objective too (`--slo-tpot-ms`), the least slack of the decode node's streams
+(what the slowest of them may still lose before its TPOT misses the objective,
+decode_clocks.py) bounds the stall instead of the cost: a prompt either rule would prefill
+locally stays on the prefill pool (reason `misses_tpot_slo`) when its prefill time on the
+node exceeds that slack, and one whose first token comes earlier locally but which the cost
+refuses is prefilled there when the slack holds its stall (reason `fits_tpot_slo`). The cost
+weighs latency in all; the slack keeps every stream within its objective, which is what a
+goodput counts. (Session 39's G30, the cost deciding: 68 of 309 prompts went to the prefill
+pool as `stalls_decode`, to wait there behind 800-token prompts, while a decode step of
+64-80 ms left a 64-token stream about 1.4 s of slack under a 100 ms objective.) While no
+stream there is timed yet, the cost decides as without the objective.
 
 The estimates come from the router (router.py): (queued prompt tokens + this prompt's
 uncached tokens there) / the node's measured prefill rate (a decode node that has not
