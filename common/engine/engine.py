@@ -34,6 +34,7 @@ from common.engine.config import EngineConfig
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.device import resolve_device
 from common.engine.grammar import GrammarError, Grammars
+from common.engine.kv_cache import allocate_kv_cache, check_kernels
 from common.engine.offline import Completion, run_offline, warm_up
 from common.engine.pins import pin_computed
 from common.engine.records import RequestRecord
@@ -55,11 +56,6 @@ log = logging.getLogger(__name__)
 STEP_MEMORY_S = 600.0  # how long the slowest step is remembered (step_time_max_s)
 
 
-def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype for `kv_cache_dtype` `name` under a model of `model_dtype`."""
-    return model_dtype if name == "auto" else getattr(torch, name)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -70,19 +66,13 @@ class LLMEngine:
         self.model_config: ModelConfig = self.model.config
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype  # the model's (compute) dtype
-        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        block_shape = (mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim)
-        block_bytes = torch.Size(block_shape).numel() * self.kv_dtype.itemsize
-        num_blocks = config.num_blocks or max(1, config.kv_cache_memory // block_bytes)
-        # kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            (num_blocks, *block_shape), dtype=self.kv_dtype, device=self.device
-        )
-        self.block_bytes = block_bytes
-        self.allocator = BlockAllocator(num_blocks)
+        self.kv_cache = allocate_kv_cache(config, mc, self.dtype, self.device)  # kv_cache.py
+        self.kv_dtype = self.kv_cache.dtype
+        self.block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
+        self.allocator = BlockAllocator(self.kv_cache.shape[0])
         self.scheduler = Scheduler(
             self.allocator,
             config.block_size,
@@ -98,11 +88,7 @@ class LLMEngine:
             ),
         )
         self.kernels = kernels_for(self.device, config.kernel_backend)
-        if self.kv_dtype != self.dtype and self.kernels.name != "torch":
-            raise ValueError(
-                f"a {self.kv_dtype} KV cache under a {self.dtype} model needs the torch kernels "
-                f"(the {self.kernels.name} kernels read and write the model's dtype only)"
-            )
+        check_kernels(self.kernels.name, self.kv_dtype, self.dtype)
         log.info("kernels: %s on %s", self.kernels.name, self.device)
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.kernels, mc.eos_token_ids
