@@ -33,8 +33,8 @@ node exceeds that slack, and one whose first token comes earlier locally but whi
 refuses is prefilled there when the slack holds its stall (reason `fits_tpot_slo`). The cost
 weighs latency in all; the slack keeps every stream within its objective, which is what a
 goodput counts. (Session 39's G30, the cost deciding: 68 of 309 prompts went to the prefill
-pool as `stalls_decode`, to wait there behind 800-token prompts, while a decode step of
-64-80 ms left a 64-token stream about 1.4 s of slack under a 100 ms objective.) While no
+pool as `stalls_decode`, to wait there behind 800-token prompts, where a decode step of
+64-80 ms gives a fresh 64-token stream about 1.4 s of slack under a 100 ms objective.) While no
 stream there is timed yet, the cost decides as without the objective.
 
 The estimates come from the router (router.py): (queued prompt tokens + this prompt's
