@@ -70,7 +70,6 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.kv_cache = allocate_kv_cache(config, mc, self.dtype, self.device)  # kv_cache.py
-        self.kv_dtype = self.kv_cache.dtype
         self.block_bytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
         self.allocator = BlockAllocator(self.kv_cache.shape[0])
         self.scheduler = Scheduler(
@@ -84,11 +83,11 @@ class LLMEngine:
             # Everything else the KV of a block depends on: the same tokens under another
             # model, compute or cache dtype or block size are other bytes.
             cache_salt=(
-                f"{self.weights_hash}/{self.dtype}/{self.kv_dtype}/{config.block_size}".encode()
+                f"{self.weights_hash}/{self.dtype}/{self.kv_cache.dtype}/{config.block_size}".encode()
             ),
         )
         self.kernels = kernels_for(self.device, config.kernel_backend)
-        check_kernels(self.kernels.name, self.kv_dtype, self.dtype)
+        check_kernels(self.kernels.name, self.kv_cache.dtype, self.dtype)
         log.info("kernels: %s on %s", self.kernels.name, self.device)
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.kernels, mc.eos_token_ids

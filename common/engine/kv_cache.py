@@ -15,17 +15,13 @@ from common.engine.config import EngineConfig
 from common.model.config import ModelConfig
 
 
-def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype for `kv_cache_dtype` `name` under a model of `model_dtype`."""
-    return model_dtype if name == "auto" else getattr(torch, name)
-
-
 def allocate_kv_cache(
     config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """A zeroed cache of `config.num_blocks` blocks, or as many as `config.kv_cache_memory`
-    bytes hold (at least one)."""
-    dtype = kv_dtype(config.kv_cache_dtype, model_dtype)
+    """A zeroed cache in `config.kv_cache_dtype` (auto: `model_dtype`) of `config.num_blocks`
+    blocks, or as many as `config.kv_cache_memory` bytes hold (at least one)."""
+    name = config.kv_cache_dtype
+    dtype = model_dtype if name == "auto" else getattr(torch, name)
     block_shape = (mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim)
     block_bytes = torch.Size(block_shape).numel() * dtype.itemsize
     num_blocks = config.num_blocks or max(1, config.kv_cache_memory // block_bytes)
