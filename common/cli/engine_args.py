@@ -72,6 +72,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="compute every prompt in full (default: shared prefixes are cached and reused)",
     )
+    g.add_argument(
+        "--no-int4-weights",
+        dest="int4_weights",
+        action="store_false",
+        help="run 4-bit checkpoints (a Q4_1 GGUF's, the default model's) through the dense "
+        "bfloat16 weights only (default: decode steps of up to 12 rows on CPU in bfloat16 use "
+        "an int4 copy, a quarter of the bytes)",
+    )
 
 
 def _device(name: str) -> str:
@@ -97,4 +105,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kernel_backend=args.kernel_backend,
         enable_prefix_caching=args.prefix_caching,
         cuda_graphs=args.cuda_graphs,
+        int4_weights=args.int4_weights,
     )

@@ -33,6 +33,9 @@ class EngineConfig:
     # Decode-only steps replayed from CUDA graphs (common/engine/cuda_graphs.py); CUDA and
     # the Triton kernels only.
     cuda_graphs: bool = False
+    # Weights that are 4-bit already (a Q4_1 GGUF's) also kept in int4 for decode-sized
+    # steps on CPU in bfloat16 (kernels/cpu_linear.py): fewer bytes a step, same values.
+    int4_weights: bool = True
 
     def __post_init__(self) -> None:
         check_device(self.device)

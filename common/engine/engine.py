@@ -62,7 +62,9 @@ class LLMEngine:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
-        self.model, self.weights_hash = load_model(config.model, config.dtype, self.device)
+        self.model, self.weights_hash = load_model(
+            config.model, config.dtype, self.device, int4=config.int4_weights
+        )
         self.model_config: ModelConfig = self.model.config
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype  # the model's (compute) dtype

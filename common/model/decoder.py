@@ -35,14 +35,28 @@ class RMSNorm(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight lives only in oneDNN's prepacked layout (CPU)."""
+    """A linear layer whose weight lives only in oneDNN's prepacked layout (CPU), and,
+    where the weight is 4-bit already, also in torch's int4 layout for small batches."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+    # Up to this many rows (a decode step's batch), the int4 copy: a quarter of the
+    # weight bytes to stream, but the kernel's cost grows with the rows, and from ~16
+    # it is slower than oneDNN's bfloat16 (kernels/cpu_linear.py; bench_engine.py).
+    int4_max_rows = 12
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        int4: cpu_linear.Int4Weight | None = None,
+    ) -> None:
         super().__init__()
         self.packed = packed  # opaque layout: a plain attribute, not a parameter
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.int4 = int4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+            return cpu_linear.linear_int4(x, self.int4, self.bias)
         return cpu_linear.linear(x, self.packed, self.bias)
 
 
@@ -188,11 +202,12 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def prepack(self) -> int:
+    def prepack(self, int4: bool = True) -> int:
         """Swap every linear layer for a prepacked one where this CPU supports it
         (kernels/cpu_linear.py); returns how many were swapped. Call once, after
         the weights are loaded: the plain weights of swapped layers are dropped
-        (the tied embedding stays, and the LM head gets a packed copy of it)."""
+        (the tied embedding stays, and the LM head gets a packed copy of it).
+        int4: also keep an int4 copy of each weight that is 4-bit already."""
         swapped = 0
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
@@ -201,7 +216,8 @@ class LlamaForCausalLM(nn.Module):
                 packed = cpu_linear.pack(child.weight)
                 if packed is None:
                     return swapped  # same dtype and device throughout: none will pack
-                setattr(parent, name, PackedLinear(packed, child.bias))
+                q4 = cpu_linear.pack_int4(child.weight) if int4 else None
+                setattr(parent, name, PackedLinear(packed, child.bias, q4))
                 swapped += 1
         return swapped
 

@@ -186,11 +186,13 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     prepack: bool = True,
+    int4: bool = True,
 ) -> tuple[LlamaForCausalLM, str]:
     """Build the model for `model_dir` and load its weights; returns (model, weights hash).
 
     prepack: on CPU, run the linear layers on oneDNN-prepacked weights where
-    supported (LlamaForCausalLM.prepack); False keeps plain `nn.Linear`."""
+    supported (LlamaForCausalLM.prepack); False keeps plain `nn.Linear`.
+    int4: with prepack, weights that are 4-bit already also get an int4 copy."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(cfg, dtype, device)
@@ -202,5 +204,7 @@ def load_model(
     model.rope = RotaryEmbedding(cfg, device)
     weights_hash = load_weights(model, model_dir)
     if prepack and torch.device(device).type == "cpu":
-        model.prepack()
+        model.prepack(int4)
+        if n4 := sum(getattr(m, "int4", None) is not None for m in model.modules()):
+            log.info("%d linear layers are 4-bit: small batches run them in int4", n4)
     return model.eval(), weights_hash

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from common.model.decoder import PackedLinear
@@ -44,3 +45,34 @@ def test_prepack_swaps_every_linear_and_keeps_outputs(hf_checkpoint, arch: str) 
         for a, b in pairs:
             x = torch.randn(5, a.in_features, generator=g)
             torch.testing.assert_close(b(x), a(x))
+
+
+def _q4_grid(out: int, inp: int) -> torch.Tensor:
+    """A bfloat16 weight whose every group of 32 inputs holds 16 evenly spaced levels."""
+    g = torch.Generator().manual_seed(out)
+    q = torch.randint(0, 16, (out, inp // 32, 32), generator=g).float()
+    scale = torch.rand(out, inp // 32, 1, generator=g) * 0.01 + 1e-3
+    lo = -8 * scale + torch.randn(out, inp // 32, 1, generator=g) * 1e-3
+    q[..., 0], q[..., 1] = 0, 15  # every level range spans its group, as Q4_1's does
+    return (q * scale + lo).view(out, inp).bfloat16()
+
+
+@pytest.mark.skipif(
+    cpu_linear.pack_int4(_q4_grid(16, 32)) is None, reason="no bfloat16 int4 kernel here"
+)
+def test_a_4_bit_weight_runs_small_batches_in_int4_and_large_ones_dense() -> None:
+    w = _q4_grid(64, 96)
+    dense, w4 = cpu_linear.pack(w), cpu_linear.pack_int4(w)
+    assert dense is not None and w4 is not None
+    layer = PackedLinear(dense, None, w4)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for rows in (1, PackedLinear.int4_max_rows, PackedLinear.int4_max_rows + 1, 40):
+            x = torch.randn(rows, 96, generator=g).bfloat16()
+            want = (
+                cpu_linear.linear_int4(x, w4, None)
+                if rows <= PackedLinear.int4_max_rows
+                else cpu_linear.linear(x, dense, None)
+            )
+            assert torch.equal(layer(x), want)
+            torch.testing.assert_close(layer(x), F.linear(x, w), atol=0.02, rtol=0.02)
