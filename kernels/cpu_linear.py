@@ -87,7 +87,7 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight | Non
     try:
         packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         packed_w = Int4Weight(packed, sz, group)
-        linear_int4(torch.zeros(1, inp, dtype=weight.dtype), packed_w, None)  # runs here?
+        linear_int4(torch.zeros(1, inp, dtype=weight.dtype, device="cpu"), packed_w, None)
     except RuntimeError:
         return None
     return packed_w
