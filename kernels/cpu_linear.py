@@ -72,8 +72,8 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight | Non
     out, inp = weight.shape
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or inp % group:
         return None
-    op = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
-    if op is None or out % 16:  # the int4 layout's tiles are 16 outputs wide
+    if out % 16 or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        # (the int4 layout's tiles are 16 outputs wide)
         return None
     # The first 16 rows first: most weights fail there, before a pass over the whole.
     if _on_grid(weight[:16], group) is None:
