@@ -72,8 +72,8 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight | Non
     out, inp = weight.shape
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or inp % group:
         return None
+    # The int4 layout's tiles are 16 outputs wide, and older torch builds lack the kernel.
     if out % 16 or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        # (the int4 layout's tiles are 16 outputs wide)
         return None
     # The first 16 rows first: most weights fail there, before a pass over the whole.
     if _on_grid(weight[:16], group) is None:
@@ -87,6 +87,7 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight | Non
     try:
         packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         packed_w = Int4Weight(packed, sz, group)
+        # One trial call: a build whose kernel cannot run this shape fails here, not mid-step.
         linear_int4(torch.zeros(1, inp, dtype=weight.dtype, device="cpu"), packed_w, None)
     except RuntimeError:
         return None
